@@ -1,0 +1,118 @@
+"""The error vocabulary of aiturbofs.
+
+Every operating error a layer can raise is an ``AiturboError`` carrying the
+errno a POSIX caller should see.  Only ``aiturbofs.fuse`` turns these into
+``pyfuse3.FUSEError``; lower layers never import pyfuse3.  Programmer errors
+(bugs) are not in this module: they are plain exceptions and crash loudly.
+"""
+
+import errno
+
+
+class AiturboError(Exception):
+    """Base of all expected, user-visible errors."""
+
+    errno = errno.EIO
+
+    def __init__(self, message: str = "", *, errno_: int | None = None):
+        super().__init__(message)
+        if errno_ is not None:
+            self.errno = errno_
+
+
+class NotFound(AiturboError):
+    errno = errno.ENOENT
+
+
+class Exists(AiturboError):
+    errno = errno.EEXIST
+
+
+class NotEmpty(AiturboError):
+    errno = errno.ENOTEMPTY
+
+
+class NotADirectory(AiturboError):
+    errno = errno.ENOTDIR
+
+
+class IsADirectory(AiturboError):
+    errno = errno.EISDIR
+
+
+class InvalidArgument(AiturboError):
+    errno = errno.EINVAL
+
+
+class NameTooLong(AiturboError):
+    errno = errno.ENAMETOOLONG
+
+
+class NoAttribute(AiturboError):
+    errno = errno.ENODATA
+
+
+class NotPermitted(AiturboError):
+    errno = errno.EPERM
+
+
+class AccessDenied(AiturboError):
+    errno = errno.EACCES
+
+
+class NotSupported(AiturboError):
+    errno = errno.EOPNOTSUPP
+
+
+class FileTooBig(AiturboError):
+    errno = errno.EFBIG
+
+
+class OutOfRange(AiturboError):
+    errno = errno.ERANGE
+
+
+class CrossDevice(AiturboError):
+    errno = errno.EXDEV
+
+
+class TooManyLinks(AiturboError):
+    errno = errno.EMLINK
+
+
+class NoSpace(AiturboError):
+    errno = errno.ENOSPC
+
+
+class BrokenFile(AiturboError):
+    """The file's data was lost or its persist failed for good: reads get EIO."""
+
+    errno = errno.EIO
+
+
+class IntegrityError(AiturboError):
+    """A chunk's bytes do not match its BLAKE3 hash."""
+
+    errno = errno.EIO
+
+
+class BackendError(AiturboError):
+    """The backend refused an operation for good (permission, bad key...)."""
+
+    errno = errno.EIO
+
+
+class BackendNotFound(BackendError):
+    errno = errno.ENOENT
+
+
+class TransientBackendError(BackendError):
+    """5xx, timeout, connection refused: worth retrying with backoff."""
+
+    errno = errno.EAGAIN
+
+
+class ConfigError(AiturboError):
+    """A bad mount option or config value; the message says which and why."""
+
+    errno = errno.EINVAL

@@ -1,0 +1,74 @@
+"""Every bound of aiturbofs in one place.
+
+Units come last in names (``chunk_bytes``, ``persist_retry_window_s``).  Code
+elsewhere must not hard-code sizes, counts or timeouts: it imports them from
+here so a reader can see every limit of the system on one screen.
+"""
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+# --- chunks -----------------------------------------------------------------
+CHUNK_BITS = 23
+CHUNK_BYTES = 1 << CHUNK_BITS  # 8 MiB: the unit of hashing, staging, upload
+HASH_BYTES = 32  # BLAKE3 digest length
+SMALL_BUFFER_BYTES = 256 * KiB  # first buffer of a chunk that starts small
+HASH_INLINE_BYTES_MAX = 1 * MiB  # hash smaller chunks on the trio thread
+
+# --- FUSE ---------------------------------------------------------------------
+FUSE_REQUEST_BYTES_MAX = 1 * MiB  # libfuse 3.14 fixes max_write at 256 pages
+NAME_BYTES_MAX = 255  # like ext4 / NAME_MAX
+PATH_BYTES_MAX = 4096  # like PATH_MAX
+SYMLINK_TARGET_BYTES_MAX = 4095
+XATTR_NAME_BYTES_MAX = 255
+XATTR_VALUE_BYTES_MAX = 64 * KiB
+XATTRS_PER_INODE_MAX = 1024
+READ_AHEAD_KB = 1024  # set on the mount's bdi: doubles sequential reads
+ATTR_TIMEOUT_S = 1.0  # kernel attribute / entry cache lifetime
+FILE_SIZE_BYTES_MAX = 1 << 44  # 16 TiB, like ext4 with 4 KiB blocks
+
+# --- staging pool ---------------------------------------------------------------
+POOL_DEFAULT_RAM_FRACTION = 0.25  # default -o dram: a quarter of total RAM
+POOL_BYTES_MIN = 2 * CHUNK_BYTES  # below this no file could make progress
+FREE_BUFFERS_KEPT_MAX = 64  # recycled full-size buffers kept warm (first-touch is slow)
+SPILL_WAIT_S = 2.0  # without -o spill, wait this long for persist before spilling
+SPILL_IN_FLIGHT_MAX = 2  # chunk writes to the spill dir at once
+
+# --- persist --------------------------------------------------------------------
+PERSIST_FILES_IN_FLIGHT = 4  # files uploading at once
+PERSIST_PARTS_IN_FLIGHT = 4  # parts of one file uploading at once
+PERSIST_RETRY_WINDOW_S = 24 * 3600.0  # default -o persist_retry_window
+PERSIST_BACKOFF_FIRST_S = 0.2
+PERSIST_BACKOFF_MAX_S = 30.0
+BACKEND_THREADS_MAX = 8  # blocking backend calls in worker threads at once
+BACKEND_CALL_TIMEOUT_S = 120.0  # one backend call (a part, a listing)
+DRAIN_TIMEOUT_S_DEFAULT = 600.0  # default -o drain_timeout at unmount/SIGTERM
+BACKEND_CONNECT_TIMEOUT_S = 10.0  # S3 TCP connect: a dead endpoint fails fast, as transient
+BACKEND_READ_TIMEOUT_S = 60.0  # S3 socket read; below BACKEND_CALL_TIMEOUT_S so botocore gives up first
+BACKEND_COPY_PART_BYTES = 512 * MiB  # whole-object copies done part by part (one backend call each)
+S3_PART_BYTES_MIN = 5 * MiB  # S3 rejects smaller parts except the last
+S3_PARTS_MAX = 10_000  # S3 multipart limit: with CHUNK_BYTES parts an object is at most ~78 GiB
+S3_COPY_OBJECT_BYTES_MAX = 5 * GiB  # CopyObject limit; larger objects are copied part by part
+S3_PUT_BYTES_MAX = 1 * MiB  # a lone short part is copied on the trio thread and sent as one PutObject
+
+# --- namespace import from the backend ------------------------------------------
+IMPORT_TTL_S = 5.0  # default -o import_ttl: re-list a backend directory after this
+LIST_ENTRIES_MAX = 1_000_000  # entries imported from one backend directory
+
+# --- metadata ---------------------------------------------------------------------
+META_THREADS_MAX = 1  # sqlite: one connection, one thread
+ERRORS_KEPT_MAX = 100  # recent errors shown by `aiturbo status`
+META_BUSY_TIMEOUT_S = 30.0  # sqlite: wait this long for another daemon's write lock
+META_READDIR_ENTRIES_MAX = 4096  # entries one readdir call returns at most
+LINKS_PER_INODE_MAX = 65000  # hard links to one file, like ext4 (EMLINK beyond)
+DIR_DEPTH_MAX = PATH_BYTES_MAX // 2  # a path of one-byte names: bounds walks to the root
+
+# --- control socket ---------------------------------------------------------------
+CONTROL_REQUEST_BYTES_MAX = 64 * KiB
+CONTROL_CLIENTS_MAX = 16
+CONTROL_CALL_TIMEOUT_S = 10.0
+WAIT_POLL_S = 0.2  # `aiturbo wait` refresh period
+
+# --- daemon start -------------------------------------------------------------------
+MOUNT_READY_TIMEOUT_S = 60.0  # parent waits this long for the daemon's mount

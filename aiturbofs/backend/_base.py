@@ -1,0 +1,445 @@
+"""The object-storage interface every backend implements, and what they share.
+
+Owns: ``ObjectInfo``, the ``Backend`` / ``Upload`` contracts, key validation
+(a key can never name anything outside the backend root), the part ledger
+that decides when an upload may complete, and the one way a blocking call
+leaves the trio thread.  Must never import anything of the filesystem above
+it except ``aiturbofs._limits`` and ``aiturbofs._errors``, and must never
+retry: the caller (the persister) owns retries and backoff.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import math
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import trio
+
+from .._errors import BackendError, BackendNotFound, ConfigError, TransientBackendError
+from .._limits import BACKEND_CALL_TIMEOUT_S, BACKEND_COPY_PART_BYTES, CHUNK_BYTES, PATH_BYTES_MAX
+
+# Hidden names of half-written uploads: no listing ever shows them, and no
+# key may use them, so a user file can never collide with one.
+UPLOAD_TEMP_PREFIX = ".aiturbo-upload."
+
+T = TypeVar("T")
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str  # full key relative to the backend root
+    size: int  # 0 for directories
+    mtime_ns: int  # 0 if unknown
+    etag: str | None  # changes when content changes; None for directories
+    is_dir: bool
+
+
+# --- keys ---------------------------------------------------------------------
+
+
+def check_key(key: str, *, allow_root: bool = False) -> str:
+    """Return ``key`` if it is a valid key, else raise ``BackendError``.
+
+    A key is '/'-separated and relative: no leading or trailing '/', no empty,
+    '.' or '..' component, no NUL, no reserved upload-temp name, at most
+    PATH_BYTES_MAX bytes.  '' is the root and is accepted only when
+    ``allow_root``.  These rules are what keeps every path inside the root.
+    """
+    if not isinstance(key, str):
+        raise TypeError(f"backend key must be str, not {type(key).__name__}")
+    if key == "":
+        if allow_root:
+            return key
+        raise BackendError("the backend root '' is not an object key")
+    problem = _key_problem(key)
+    if problem:
+        raise BackendError(f"bad backend key {key!r}: {problem}")
+    return key
+
+
+def is_valid_name(name: str) -> bool:
+    """True if ``name`` can be one component of a key (used to filter listings)."""
+    return "/" not in name and name != "" and _key_problem(name) is None
+
+
+def _key_problem(key: str) -> str | None:
+    if key.startswith("/"):
+        return "absolute"
+    if "\0" in key:
+        return "contains NUL"
+    if len(key.encode("utf-8", "surrogateescape")) > PATH_BYTES_MAX:
+        return f"longer than {PATH_BYTES_MAX} bytes"
+    for part in key.split("/"):
+        if part in ("", ".", ".."):
+            return "empty, '.' or '..' component"
+        if part.startswith(UPLOAD_TEMP_PREFIX):
+            return f"names starting with {UPLOAD_TEMP_PREFIX!r} are reserved"
+    return None
+
+
+def join_key(parent: str, name: str) -> str:
+    return f"{parent}/{name}" if parent else name
+
+
+def parent_key(key: str) -> str:
+    return key.rpartition("/")[0]
+
+
+# --- options ----------------------------------------------------------------------
+
+
+def take_options(options: dict[str, Any], allowed: set[str], scheme: str) -> dict[str, Any]:
+    """Return ``options`` after checking every name applies to ``scheme``.
+
+    A misspelt option must not be ignored silently (``s3_endpiont`` would
+    send data to AWS), so unknown names raise ``ConfigError``.
+    """
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ConfigError(
+            f"backend option(s) {', '.join(unknown)} do not apply to {scheme}:// "
+            f"(known: {', '.join(sorted(allowed))})"
+        )
+    return options
+
+
+def option_float(options: dict[str, Any], name: str, default: float) -> float:
+    """A positive number option; mount options arrive as strings."""
+    value = options.get(name, default)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"backend option {name}={value!r} is not a number") from None
+    if not number > 0:
+        raise ConfigError(f"backend option {name}={value!r} must be > 0")
+    return number
+
+
+def option_bool(options: dict[str, Any], name: str, default: bool) -> bool:
+    value = options.get(name, default)
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"backend option {name}={value!r} is not a boolean")
+
+
+# --- leaving the trio thread ----------------------------------------------------------
+
+
+async def run_sync(
+    limiter: trio.CapacityLimiter,
+    timeout_s: float,
+    what: str,
+    fn: Callable[..., T],
+    *args: Any,
+    cancellable: bool = True,
+) -> T:
+    """Run blocking ``fn(*args)`` in a worker thread behind ``limiter``.
+
+    Raises ``TransientBackendError`` when ``timeout_s`` passes (waiting for a
+    thread slot counts), and whatever ``fn`` raises.  A cancellable call is
+    abandoned on timeout or cancellation: the thread keeps its limiter slot
+    until it really ends, and its result is dropped.  Calls that write from a
+    caller's buffer or into shared file state pass ``cancellable=False``: the
+    kernel cannot stop them anyway, and abandoning one would let a stale
+    write land after the caller re-sent the part.  Such a call returns only
+    when the thread is done, so the deadline then bounds only the wait for a
+    slot.
+    """
+    try:
+        with trio.fail_after(timeout_s):
+            return await trio.to_thread.run_sync(fn, *args, limiter=limiter, cancellable=cancellable)
+    except trio.TooSlowError:
+        raise TransientBackendError(f"{what}: no answer within {timeout_s:g} s") from None
+
+
+def pwrite_all(fd: int, data: Buffer, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (blocking; run it in a thread)."""
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view = view[written:]
+        offset += written
+
+
+# --- contracts ---------------------------------------------------------------------------
+
+
+class Upload(ABC):
+    """One new version of object ``key``, written part by part, published at once.
+
+    Part ``index`` covers bytes ``[index * part_bytes, ...)``; every part but
+    the last is exactly ``part_bytes`` long.  Parts may arrive in any order
+    and concurrently, and may be re-sent: the last successful write of a part
+    wins.  A part whose latest write failed counts as missing, since a failed
+    write may have left half of its bytes behind.  Nothing is visible at
+    ``key`` before ``complete`` returns.  Callers must end every upload with
+    ``complete`` or ``abort`` (put ``abort`` in a ``finally``).
+
+    Misuse that only a bug can cause (negative index, oversized part,
+    ``complete`` while parts are still being written) raises ``ValueError``.
+    """
+
+    def __init__(self, key: str, part_bytes: int):
+        self.key = key
+        self.part_bytes = part_bytes
+        self._part_lengths: dict[int, int] = {}
+        self._state = "open"  # -> "completing" -> "completed" | "open"; any -> "aborted"
+        self._ops_in_flight = 0
+        self._idle = trio.Event()
+        self._idle.set()
+
+    async def write_part(self, index: int, data: Buffer) -> None:
+        """Store ``data`` as part ``index``.
+
+        ``data`` is borrowed only until this returns or raises.  Raises
+        ``TransientBackendError`` (worth retrying), ``BackendError`` (the
+        upload was completed or aborted, or the backend refused).
+        """
+        if isinstance(data, memoryview) and (data.ndim != 1 or data.format not in ("B", "b", "c")):
+            data = data.cast("B")  # len() must count bytes, not items
+        self._check_part(index, len(data))
+        await self._part_op(index, len(data), self._write_part, index, data)
+
+    async def copy_part(self, index: int, src_key: str, offset: int, length: int) -> None:
+        """Make part ``index`` bytes ``[offset, offset+length)`` of object ``src_key``.
+
+        Server-side where ``Backend.supports_server_copy``; otherwise the
+        bytes pass through this process.  Raises ``BackendNotFound`` if
+        ``src_key`` is missing, ``BackendError`` if it is shorter than the
+        range or the key is bad, ``TransientBackendError``.
+        """
+        check_key(src_key)
+        if offset < 0:
+            raise ValueError(f"copy_part offset {offset} < 0")
+        self._check_part(index, length)
+        await self._part_op(index, length, self._copy_part, index, src_key, offset, length)
+
+    async def complete(self, size: int) -> ObjectInfo:
+        """Publish the object at ``key`` with ``size`` bytes, replacing any old one.
+
+        Parts ``0 .. ceil(size / part_bytes) - 1`` must all be present with the
+        right lengths (no part at all for an empty object), else
+        ``BackendError`` and nothing changes.  Raises ``BackendError`` if the
+        upload was aborted or the server refuses or disagrees on the size, and
+        ``TransientBackendError``, after which it may be retried.  Returns the
+        published object's info.
+        """
+        if self._ops_in_flight:
+            raise ValueError(f"complete({self.key!r}) while {self._ops_in_flight} part writes are in flight")
+        self._check_open()
+        part_count = self._check_ledger(size)
+        self._state = "completing"  # no part may change under the publish
+        try:
+            with self._in_flight():
+                info = await self._complete(size, part_count)
+        except BaseException:
+            if self._state == "completing":
+                self._state = "open"  # a retry may follow
+            raise
+        self._state = "completed"
+        return info
+
+    async def abort(self) -> None:
+        """Discard every part; a no-op after ``complete`` or an earlier ``abort``.
+
+        Waits for part writes still in flight to end first (they are bounded
+        by the call timeout), so no write can land after the discard.  Never
+        raises because the upload is already gone; may raise
+        ``TransientBackendError`` (retry it) or ``BackendError``.
+        """
+        if self._state == "completed":
+            return
+        self._state = "aborted"  # refuse new parts from now on
+        await self._idle.wait()
+        if self._state != "completed":  # a complete() in flight may have won
+            await self._abort()
+
+    # -- the primitives each backend implements --
+
+    @abstractmethod
+    async def _write_part(self, index: int, data: Buffer) -> None: ...
+
+    @abstractmethod
+    async def _copy_part(self, index: int, src_key: str, offset: int, length: int) -> None: ...
+
+    @abstractmethod
+    async def _complete(self, size: int, part_count: int) -> ObjectInfo: ...
+
+    @abstractmethod
+    async def _abort(self) -> None:
+        """Idempotent: may run again after a failure or after a failed complete."""
+
+    # -- ledger --
+
+    def _check_part(self, index: int, length: int) -> None:
+        if index < 0:
+            raise ValueError(f"part index {index} < 0")
+        if not 0 < length <= self.part_bytes:
+            raise ValueError(f"part {index} of {self.key!r}: {length} bytes, want 1..{self.part_bytes}")
+        self._check_open()
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise BackendError(f"upload of {self.key!r} was already {self._state}")
+
+    async def _part_op(self, index: int, length: int, op, *args: Any) -> None:
+        with self._in_flight():
+            try:
+                # A cancelled write fails even where the backend would not block.
+                await trio.lowlevel.checkpoint_if_cancelled()
+                await op(*args)
+            except BaseException:
+                self._part_lengths.pop(index, None)
+                raise
+            self._part_lengths[index] = length
+
+    @contextlib.contextmanager
+    def _in_flight(self) -> Iterator[None]:
+        """Count an operation that ``abort`` must wait for."""
+        if not self._ops_in_flight:
+            self._idle = trio.Event()
+        self._ops_in_flight += 1
+        try:
+            yield
+        finally:
+            self._ops_in_flight -= 1
+            if not self._ops_in_flight:
+                self._idle.set()
+
+    def _check_ledger(self, size: int) -> int:
+        """Return the part count for ``size``, or raise ``BackendError`` naming what is wrong."""
+        if size < 0:
+            raise ValueError(f"complete({self.key!r}) with size {size} < 0")
+        count = math.ceil(size / self.part_bytes)
+        want = {i: self.part_bytes for i in range(count)}
+        if count:
+            want[count - 1] = size - (count - 1) * self.part_bytes
+        if self._part_lengths != want:
+            missing = sorted(set(want) - set(self._part_lengths))[:5]
+            extra = sorted(set(self._part_lengths) - set(want))[:5]
+            wrong = sorted(i for i in want if self._part_lengths.get(i, want[i]) != want[i])[:5]
+            raise BackendError(
+                f"cannot complete {self.key!r} at {size} bytes: "
+                f"missing parts {missing}, unexpected parts {extra}, wrong-length parts {wrong}"
+            )
+        return count
+
+
+class Backend(ABC):
+    """Object storage under one root, addressed by keys (see ``check_key``).
+
+    Every method validates its keys first (``BackendError`` on a bad key) and
+    may raise ``TransientBackendError`` (timeout, connection trouble, 5xx:
+    retry later) or ``BackendError`` (refused for good: permission, bad
+    request), with a message naming the key and the cause.  Nothing here
+    retries.
+    """
+
+    url: str
+    supports_server_copy: bool = False
+
+    @classmethod
+    @abstractmethod
+    async def open(cls, url: str, options: dict[str, Any]) -> "Backend":
+        """Connect to ``url``; raise ``ConfigError`` or ``BackendError`` if it cannot be used."""
+
+    @abstractmethod
+    async def list_dir(self, key: str) -> list[ObjectInfo]:
+        """Direct children of directory ``key`` ('' is the root); [] if it is missing.
+
+        Upload temp objects and names that are not valid key components are
+        skipped.  Raises ``BackendError`` past LIST_ENTRIES_MAX entries.
+        """
+
+    @abstractmethod
+    async def stat(self, key: str) -> ObjectInfo | None:
+        """Info of the object or directory ``key``, or None if neither exists."""
+
+    @abstractmethod
+    async def read_range(self, key: str, offset: int, length: int) -> bytes:
+        """Bytes ``[offset, offset+length)`` of object ``key``; short only at EOF.
+
+        Raises ``BackendNotFound`` if the object is missing.
+        """
+
+    async def open_upload(self, key: str, *, part_bytes: int = CHUNK_BYTES) -> Upload:
+        """Start writing a new version of object ``key`` (see ``Upload``)."""
+        check_key(key)
+        return await self._open_upload(key, part_bytes)
+
+    @abstractmethod
+    async def _open_upload(self, key: str, part_bytes: int) -> Upload: ...
+
+    async def copy(self, src: str, dst: str) -> None:
+        """Copy object ``src`` to ``dst`` (replacing it), creating parent dirs.
+
+        The default copies part by part through ``copy_part`` and publishes
+        atomically.  Raises ``BackendNotFound`` if ``src`` is missing,
+        ``BackendError`` if it is a directory.
+        """
+        check_key(dst)
+        await self._copy_by_parts(await self._stat_object(src), dst)
+
+    @abstractmethod
+    async def move(self, src: str, dst: str) -> None:
+        """Move object ``src`` to ``dst`` (replacing it), creating parent dirs.
+
+        Raises ``BackendNotFound`` if ``src`` is missing.
+        """
+
+    @abstractmethod
+    async def delete(self, key: str) -> None:
+        """Remove object ``key``; a missing object is not an error."""
+
+    @abstractmethod
+    async def makedirs(self, key: str) -> None:
+        """Create directory ``key`` and its parents where directories are real."""
+
+    @abstractmethod
+    async def remove_dir(self, key: str) -> None:
+        """Remove directory ``key`` if it exists and is empty; otherwise do nothing."""
+
+    async def aclose(self) -> None:
+        """Release connections; the backend must not be used afterwards."""
+
+    # -- helpers for implementations --
+
+    async def _stat_object(self, key: str) -> ObjectInfo:
+        check_key(key)
+        info = await self.stat(key)
+        if info is None:
+            raise BackendNotFound(f"{key!r}: no such object")
+        if info.is_dir:
+            raise BackendError(f"{key!r} is a directory, not an object", errno_=errno.EISDIR)
+        return info
+
+    async def _copy_by_parts(self, src: ObjectInfo, dst: str) -> None:
+        part_bytes = BACKEND_COPY_PART_BYTES
+        upload = await self._open_upload(dst, part_bytes)
+        try:
+            for index, offset in enumerate(range(0, src.size, part_bytes)):
+                await upload.copy_part(index, src.key, offset, min(part_bytes, src.size - offset))
+            await upload.complete(src.size)
+        except BaseException:
+            # The copy's own error is the one to report; a failed cleanup
+            # leaves at worst a hidden temp or a pending multipart upload.
+            with trio.CancelScope(shield=True), contextlib.suppress(BackendError):
+                await upload.abort()
+            raise
+
+
+def timeout_option(options: dict[str, Any]) -> float:
+    """The per-call deadline: ``call_timeout_s`` (all backends), else BACKEND_CALL_TIMEOUT_S."""
+    return option_float(options, "call_timeout_s", BACKEND_CALL_TIMEOUT_S)

@@ -1,0 +1,382 @@
+"""The local-directory backend (``file:///abs/path`` or a plain absolute path).
+
+Owns: mapping keys to paths under the root, crash-safe publishing (parts go
+into a hidden temp file beside the target, which is fsynced and renamed over
+it), and turning ``OSError`` into the backend error vocabulary in one place
+(``_mapped``).  Every os call runs in a worker thread; nothing here retries.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat as stat_mod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import trio
+
+from .._errors import BackendError, BackendNotFound, TransientBackendError
+from .._limits import BACKEND_THREADS_MAX, CHUNK_BYTES, LIST_ENTRIES_MAX, NAME_BYTES_MAX
+from ._base import (
+    UPLOAD_TEMP_PREFIX,
+    Backend,
+    Buffer,
+    ObjectInfo,
+    Upload,
+    check_key,
+    join_key,
+    pwrite_all,
+    run_sync,
+    take_options,
+    timeout_option,
+)
+
+# A full disk, a quota or a flaky network mount heals without a config
+# change, so the persister should keep retrying; permission errors do not.
+_TRANSIENT_ERRNOS = frozenset(
+    {
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EAGAIN,
+        errno.EINTR,
+        errno.ETIMEDOUT,
+        errno.ESTALE,
+        errno.EBUSY,
+        errno.ENOLCK,
+        errno.ENETDOWN,
+        errno.ENETUNREACH,
+        errno.EHOSTUNREACH,
+        errno.ECONNRESET,
+        errno.ECONNREFUSED,
+        errno.ECONNABORTED,
+    }
+)
+# copy_file_range cannot work here (other filesystem, old kernel, special
+# file): fall back to reading and writing.
+_NO_COPY_FILE_RANGE_ERRNOS = frozenset({errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL})
+
+
+@contextmanager
+def _mapped(what: str) -> Iterator[None]:
+    """The one place an ``OSError`` becomes a backend error."""
+    try:
+        yield
+    except FileNotFoundError as e:
+        raise BackendNotFound(f"{what}: {e.strerror}") from e
+    except OSError as e:
+        if e.errno in _TRANSIENT_ERRNOS:
+            raise TransientBackendError(f"{what}: {e.strerror}") from e
+        raise BackendError(f"{what}: {e.strerror or e}", errno_=e.errno) from e
+
+
+class LocalBackend(Backend):
+    """Objects are regular files under ``root``; directories are real directories.
+
+    Options: ``call_timeout_s``.  Symlinks already inside the root are
+    followed (the admin put them there); keys themselves cannot escape it.
+    """
+
+    supports_server_copy = True  # copy_file_range: no bytes through this process
+    _OPTIONS = {"call_timeout_s"}
+
+    def __init__(self, root: str, timeout_s: float):
+        self.url = "file://" + root
+        self._root = root
+        self._timeout_s = timeout_s
+        self._limiter = trio.CapacityLimiter(BACKEND_THREADS_MAX)
+
+    @classmethod
+    async def open(cls, url: str, options: dict[str, Any]) -> "LocalBackend":
+        """Use (or create, mode 0o755, if its parent exists) the root directory.
+
+        Raises ``ConfigError`` for a bad option, ``BackendError`` if the root
+        cannot be used.
+        """
+        take_options(options, cls._OPTIONS, "file")
+        backend = cls(_root_from_url(url), timeout_option(options))
+        await backend._run(f"open backend root {backend._root}", _ensure_root, backend._root)
+        return backend
+
+    async def list_dir(self, key: str) -> list[ObjectInfo]:
+        check_key(key, allow_root=True)
+        return await self._run(f"list {key!r}", _list_sync, self._path(key), key)
+
+    async def stat(self, key: str) -> ObjectInfo | None:
+        check_key(key, allow_root=True)
+        return await self._run(f"stat {key!r}", _stat_sync, self._path(key), key)
+
+    async def read_range(self, key: str, offset: int, length: int) -> bytes:
+        check_key(key)
+        if offset < 0 or length < 0:
+            raise ValueError(f"read_range({key!r}, {offset}, {length}): negative")
+        return await self._run(f"read {key!r}", _pread_sync, self._path(key), offset, length)
+
+    async def _open_upload(self, key: str, part_bytes: int) -> "LocalUpload":
+        path = self._path(key)
+        # Not cancellable: an abandoned create would leak the fd and the temp file.
+        tmp_path, fd = await self._run(f"start upload of {key!r}", _create_temp_sync, path, cancellable=False)
+        return LocalUpload(self, key, part_bytes, path, tmp_path, fd)
+
+    async def move(self, src: str, dst: str) -> None:
+        """Rename, atomically; a directory moves too, but only here (not portable)."""
+        check_key(src)
+        check_key(dst)
+        await self._run(f"move {src!r} to {dst!r}", _move_sync, self._path(src), self._path(dst))
+
+    async def delete(self, key: str) -> None:
+        """Unlink; raises ``BackendError`` if ``key`` is a directory."""
+        check_key(key)
+        await self._run(f"delete {key!r}", _unlink_sync, self._path(key))
+
+    async def makedirs(self, key: str) -> None:
+        """mkdir -p; raises ``BackendError`` if a file is in the way."""
+        check_key(key, allow_root=True)
+        await self._run(f"makedirs {key!r}", os.makedirs, self._path(key), 0o777, True)
+
+    async def remove_dir(self, key: str) -> None:
+        """rmdir; the root is never removed.  Raises ``BackendError`` if ``key`` is a file."""
+        check_key(key, allow_root=True)
+        if key:
+            await self._run(f"remove dir {key!r}", _rmdir_sync, self._path(key))
+
+    # -- helpers --
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self._root, key) if key else self._root
+
+    async def _run(self, what: str, fn, *args, cancellable: bool = True):
+        with _mapped(what):
+            return await run_sync(self._limiter, self._timeout_s, what, fn, *args, cancellable=cancellable)
+
+
+class LocalUpload(Upload):
+    """Parts are pwrite()n into ``.aiturbo-upload.<random>.<name>`` beside the target.
+
+    Writes are not cancellable (see ``run_sync``): a write the caller gave up
+    on must not land after the part was re-sent.
+    """
+
+    def __init__(self, backend: LocalBackend, key: str, part_bytes: int, path: str, tmp_path: str, fd: int):
+        super().__init__(key, part_bytes)
+        self._backend = backend
+        self._path = path
+        self._tmp_path = tmp_path
+        self._fd: int | None = fd
+        self._published = False  # the temp file has been renamed onto the target
+
+    async def _write_part(self, index: int, data: Buffer) -> None:
+        await self._backend._run(
+            f"write part {index} of {self.key!r}",
+            pwrite_all,
+            self._fd,
+            data,
+            index * self.part_bytes,
+            cancellable=False,
+        )
+
+    async def _copy_part(self, index: int, src_key: str, offset: int, length: int) -> None:
+        what = f"copy {src_key!r}[{offset}:{offset + length}] to part {index} of {self.key!r}"
+        src_path = self._backend._path(src_key)
+        dst_offset = index * self.part_bytes
+        copied = await self._backend._run(
+            what, _copy_range_sync, src_path, self._fd, offset, dst_offset, length, cancellable=False
+        )
+        if copied < length:
+            raise BackendError(f"{what}: the source ends at byte {offset + copied}")
+
+    async def _complete(self, size: int, part_count: int) -> ObjectInfo:
+        st = await self._backend._run(f"publish {self.key!r}", self._publish_sync, size, cancellable=False)
+        return _info(self.key, st)
+
+    async def _abort(self) -> None:
+        await self._backend._run(f"abort upload of {self.key!r}", self._abort_sync, cancellable=False)
+
+    def _publish_sync(self, size: int) -> os.stat_result:
+        # Steps already done by an earlier attempt that failed later are skipped,
+        # so complete() can be retried.
+        if not self._published:
+            os.ftruncate(self._fd, size)  # also drops the tail of a longer earlier last part
+            os.fsync(self._fd)
+            os.replace(self._tmp_path, self._path)
+            self._published = True
+        _fsync_dir(os.path.dirname(self._path))
+        self._close_sync()
+        return os.stat(self._path)
+
+    def _abort_sync(self) -> None:
+        self._close_sync()
+        if not self._published:
+            try:
+                os.unlink(self._tmp_path)
+            except FileNotFoundError:
+                pass
+
+    def _close_sync(self) -> None:
+        # Forget the fd before closing it: a second close could hit a reused number.
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+# --- blocking helpers (run in worker threads) -----------------------------------------
+
+
+def _root_from_url(url: str) -> str:
+    path = url[len("file://") :] if url.startswith("file://") else url
+    if not path.startswith("/"):
+        raise BackendError(f"local backend {url!r}: want file:///absolute/path or /absolute/path")
+    return os.path.normpath(path)
+
+
+def _ensure_root(root: str) -> None:
+    try:
+        os.mkdir(root, 0o755)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        raise BackendError(f"backend root {root} does not exist and neither does its parent") from None
+    if not os.path.isdir(root):
+        raise BackendError(f"backend root {root} is not a directory", errno_=errno.ENOTDIR)
+
+
+def _info(key: str, st: os.stat_result) -> ObjectInfo | None:
+    """ObjectInfo of a regular file or directory; None for other file types."""
+    if stat_mod.S_ISDIR(st.st_mode):
+        return ObjectInfo(key, 0, st.st_mtime_ns, None, True)
+    if stat_mod.S_ISREG(st.st_mode):
+        return ObjectInfo(key, st.st_size, st.st_mtime_ns, f"{st.st_mtime_ns}-{st.st_size}", False)
+    return None
+
+
+def _list_sync(path: str, key: str) -> list[ObjectInfo]:
+    try:
+        entries = os.scandir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    with entries:
+        for entry in entries:
+            if entry.name.startswith(UPLOAD_TEMP_PREFIX):
+                continue
+            try:
+                info = _info(join_key(key, entry.name), entry.stat())
+            except FileNotFoundError:
+                continue  # deleted meanwhile, or a dangling symlink
+            if info is not None:
+                out.append(info)
+            if len(out) > LIST_ENTRIES_MAX:
+                raise BackendError(f"list {key!r}: more than {LIST_ENTRIES_MAX} entries")
+    return out
+
+
+def _stat_sync(path: str, key: str) -> ObjectInfo | None:
+    try:
+        return _info(key, os.stat(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _pread_sync(path: str, offset: int, length: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        pieces = []
+        while length > 0:
+            piece = os.pread(fd, length, offset)
+            if not piece:
+                break  # EOF
+            pieces.append(piece)
+            offset += len(piece)
+            length -= len(piece)
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    finally:
+        os.close(fd)
+
+
+def _temp_name(basename: str) -> str:
+    """A hidden, unique sibling name that still fits NAME_BYTES_MAX."""
+    head = f"{UPLOAD_TEMP_PREFIX}{secrets.token_hex(8)}."
+    tail = os.fsencode(basename)[: NAME_BYTES_MAX - len(head)]
+    return head + os.fsdecode(tail)
+
+
+def _create_temp_sync(path: str) -> tuple[str, int]:
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp_path = os.path.join(parent, _temp_name(os.path.basename(path)))
+    fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    return tmp_path, fd
+
+
+def _copy_range_sync(src_path: str, dst_fd: int, src_offset: int, dst_offset: int, length: int) -> int:
+    """Copy up to ``length`` bytes; return how many (fewer only if the source ends)."""
+    src_fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        done = _copy_file_range(src_fd, dst_fd, src_offset, dst_offset, length)
+        if done < length:
+            done += _copy_by_reading(src_fd, dst_fd, src_offset + done, dst_offset + done, length - done)
+        return done
+    finally:
+        os.close(src_fd)
+
+
+def _copy_file_range(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, length: int) -> int:
+    done = 0
+    while done < length:
+        try:
+            n = os.copy_file_range(src_fd, dst_fd, length - done, src_offset + done, dst_offset + done)
+        except OSError as e:
+            if e.errno in _NO_COPY_FILE_RANGE_ERRNOS:
+                return done
+            raise
+        if n == 0:
+            return done  # EOF of the source
+        done += n
+    return done
+
+
+def _copy_by_reading(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, length: int) -> int:
+    done = 0
+    while done < length:
+        piece = os.pread(src_fd, min(CHUNK_BYTES, length - done), src_offset + done)
+        if not piece:
+            break
+        pwrite_all(dst_fd, piece, dst_offset + done)
+        done += len(piece)
+    return done
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _move_sync(src: str, dst: str) -> None:
+    os.stat(src)  # a missing source must not be reported as a missing target parent
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    os.replace(src, dst)
+    _fsync_dir(os.path.dirname(dst))
+    if os.path.dirname(src) != os.path.dirname(dst):
+        _fsync_dir(os.path.dirname(src))
+
+
+def _unlink_sync(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _rmdir_sync(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise

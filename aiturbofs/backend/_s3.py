@@ -1,0 +1,556 @@
+"""The S3 backend (``s3://bucket/optional/prefix``), on s3fs's client.
+
+Owns: keys -> S3 object keys under the prefix, "directories" as common
+prefixes, multipart uploads (lazily created, part ETags collected, one
+PutObject for a lone short part), server-side copies, and the one place
+botocore/aiohttp exceptions become backend errors (``_mapped``).
+
+s3fs runs an asyncio loop in its own thread.  Requests are coroutines run on
+that loop and awaited from trio through a future (``_on_loop``), behind a
+``CapacityLimiter``: a timeout or cancellation then cancels the request on
+the s3fs loop too, instead of abandoning a worker thread that would keep
+reading the caller's buffer.  Nothing here retries (botocore's and s3fs's
+retries are switched off): the persister owns retries and backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+from collections.abc import Coroutine, Iterator
+from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
+from typing import Any, TypeVar
+
+import aiohttp
+import botocore.exceptions as boto_errors
+import s3fs
+import trio
+
+from .._errors import BackendError, BackendNotFound, ConfigError, TransientBackendError
+from .._limits import (
+    BACKEND_CONNECT_TIMEOUT_S,
+    BACKEND_READ_TIMEOUT_S,
+    BACKEND_THREADS_MAX,
+    CHUNK_BYTES,
+    LIST_ENTRIES_MAX,
+    S3_COPY_OBJECT_BYTES_MAX,
+    S3_PART_BYTES_MIN,
+    S3_PARTS_MAX,
+    S3_PUT_BYTES_MAX,
+)
+from ._base import (
+    Backend,
+    Buffer,
+    ObjectInfo,
+    Upload,
+    check_key,
+    is_valid_name,
+    join_key,
+    option_bool,
+    option_float,
+    take_options,
+    timeout_option,
+)
+
+assert CHUNK_BYTES >= S3_PART_BYTES_MIN, "every part but the last must meet S3's minimum"
+
+T = TypeVar("T")
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+# Error codes that say "try again later" even when the status is not 5xx.
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequestsException",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "ServiceUnavailable",
+        "InternalError",
+        "OperationAborted",
+    }
+)
+# "The thing you named is gone" (HEAD answers carry only the status: "404").
+_NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404", "NoSuchUpload"})
+# Connection trouble below the HTTP layer: refused, reset, timed out, DNS.
+_TRANSIENT_EXCEPTIONS = (
+    boto_errors.HTTPClientError,  # ReadTimeoutError, ConnectionClosedError...
+    boto_errors.ConnectionError,  # EndpointConnectionError, ConnectTimeoutError...
+    aiohttp.ClientError,
+    asyncio.TimeoutError,
+    ConnectionError,
+)
+# Configuration trouble: no credentials, no region.  Permanent until fixed.
+_CONFIG_EXCEPTIONS = (
+    boto_errors.NoCredentialsError,
+    boto_errors.PartialCredentialsError,
+    boto_errors.NoRegionError,
+)
+
+
+@contextmanager
+def _mapped(what: str) -> Iterator[None]:
+    """The one place foreign exceptions become backend errors."""
+    try:
+        yield
+    except trio.TooSlowError:
+        raise TransientBackendError(f"{what}: no answer in time") from None
+    except boto_errors.ClientError as e:
+        raise _client_error(what, e) from e
+    except _TRANSIENT_EXCEPTIONS as e:
+        raise TransientBackendError(f"{what}: {type(e).__name__}: {e}") from e
+    except _CONFIG_EXCEPTIONS as e:
+        raise BackendError(f"{what}: {e}") from e
+
+
+def _client_error(what: str, e: boto_errors.ClientError) -> BackendError:
+    error = e.response.get("Error", {})
+    code = str(error.get("Code", ""))
+    status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    message = f"{what}: {code or status} {error.get('Message', '')}".rstrip()
+    if code in _TRANSIENT_CODES or status >= 500 or status == 429:
+        return TransientBackendError(message)
+    if code in _NOT_FOUND_CODES:
+        return BackendNotFound(message)
+    if status == 403:
+        return BackendError(message, errno_=errno.EACCES)
+    return BackendError(message)
+
+
+async def _on_loop(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on s3fs's asyncio loop and wait for it without a thread.
+
+    If this task is cancelled (or its deadline passes), the coroutine is
+    cancelled on its loop as well, so a request never outlives its caller.
+    """
+    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    token = trio.lowlevel.current_trio_token()
+    done = trio.Event()
+
+    def wake(_: object) -> None:
+        try:
+            token.run_sync_soon(done.set)
+        except trio.RunFinishedError:
+            pass  # the trio run is over: nobody is waiting any more
+
+    future.add_done_callback(wake)
+    try:
+        await done.wait()
+    finally:
+        future.cancel()  # a no-op once done
+    return future.result()
+
+
+class S3Backend(Backend):
+    """Objects are S3 objects under ``prefix``; directories are common prefixes.
+
+    Options: ``s3_endpoint`` (endpoint URL), ``s3_region``, ``s3_anon``,
+    ``s3_key`` / ``s3_secret`` (else AWS_* env vars and the boto chain),
+    ``s3_connect_timeout`` (seconds, default BACKEND_CONNECT_TIMEOUT_S),
+    ``call_timeout_s``.  ``makedirs`` and ``remove_dir`` are no-ops: S3 has
+    no directories.  ``move`` is a copy then a delete, not atomic.  Where an
+    object ``a`` and a prefix ``a/`` both exist, ``list_dir`` returns both.
+    """
+
+    supports_server_copy = True  # CopyObject / UploadPartCopy
+    list_page_keys = 1000  # S3's own maximum; tests lower it to exercise paging
+    _OPTIONS = {"s3_endpoint", "s3_region", "s3_anon", "s3_key", "s3_secret", "s3_connect_timeout", "call_timeout_s"}
+
+    def __init__(self, fs: s3fs.S3FileSystem, bucket: str, prefix: str, timeout_s: float):
+        self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+        self._fs = fs
+        self._bucket = bucket
+        self._prefix = prefix
+        self._timeout_s = timeout_s
+        self._limiter = trio.CapacityLimiter(BACKEND_THREADS_MAX)
+
+    @classmethod
+    async def open(cls, url: str, options: dict[str, Any]) -> "S3Backend":
+        """Connect and check the bucket exists (one HeadBucket).
+
+        Raises ``ConfigError`` for a bad URL or option, ``BackendError``
+        naming the bucket if it is missing or forbidden,
+        ``TransientBackendError`` if the endpoint does not answer.
+        """
+        take_options(options, cls._OPTIONS, "s3")
+        bucket, prefix = _parse_url(url)
+        backend = cls(_make_fs(options), bucket, prefix, timeout_option(options))
+        await backend._check_bucket(options.get("s3_endpoint") or "AWS")
+        return backend
+
+    async def list_dir(self, key: str) -> list[ObjectInfo]:
+        check_key(key, allow_root=True)
+        prefix = self._dir_prefix(key)
+        out: list[ObjectInfo] = []
+        kwargs = {"Bucket": self._bucket, "Prefix": prefix, "Delimiter": "/", "MaxKeys": self.list_page_keys}
+        while True:  # one request (and one deadline) per page
+            page = await self._call(f"list {key!r}", "list_objects_v2", **kwargs)
+            out.extend(_page_entries(key, prefix, page))
+            if len(out) > LIST_ENTRIES_MAX:
+                raise BackendError(f"list {key!r}: more than {LIST_ENTRIES_MAX} entries")
+            if not page.get("IsTruncated"):
+                return out
+            kwargs["ContinuationToken"] = page["NextContinuationToken"]
+
+    async def stat(self, key: str) -> ObjectInfo | None:
+        check_key(key, allow_root=True)
+        if not key:
+            return ObjectInfo("", 0, 0, None, True)
+        info = await self._head(key)
+        if info is not None:
+            return info
+        page = await self._call(
+            f"stat {key!r}", "list_objects_v2", Bucket=self._bucket, Prefix=self._dir_prefix(key), MaxKeys=1
+        )
+        return ObjectInfo(key, 0, 0, None, True) if page.get("KeyCount", 0) else None
+
+    async def read_range(self, key: str, offset: int, length: int) -> bytes:
+        check_key(key)
+        if offset < 0 or length < 0:
+            raise ValueError(f"read_range({key!r}, {offset}, {length}): negative")
+        if length == 0:
+            await self._stat_object(key)  # still report a missing object
+            return b""
+        kwargs = {"Bucket": self._bucket, "Key": self._s3_key(key), "Range": f"bytes={offset}-{offset + length - 1}"}
+        return await self._run(f"read {key!r}", self._get_body, kwargs)
+
+    async def _open_upload(self, key: str, part_bytes: int) -> "S3Upload":
+        if part_bytes < S3_PART_BYTES_MIN:
+            raise ValueError(f"S3 parts must be at least {S3_PART_BYTES_MIN} bytes, not {part_bytes}")
+        return S3Upload(self, key, part_bytes)
+
+    async def copy(self, src: str, dst: str) -> None:
+        """CopyObject, or UploadPartCopy part by part above S3_COPY_OBJECT_BYTES_MAX."""
+        check_key(dst)
+        info = await self._stat_object(src)
+        if src == dst:
+            return  # S3 refuses to copy an object onto itself unchanged
+        if info.size > S3_COPY_OBJECT_BYTES_MAX:
+            await self._copy_by_parts(info, dst)
+            return
+        await self._call(
+            f"copy {src!r} to {dst!r}",
+            "copy_object",
+            Bucket=self._bucket,
+            Key=self._s3_key(dst),
+            CopySource={"Bucket": self._bucket, "Key": self._s3_key(src)},
+        )
+
+    async def move(self, src: str, dst: str) -> None:
+        """Copy, then delete the source: a crash in between leaves both."""
+        await self.copy(src, dst)
+        if src != dst:
+            await self.delete(src)
+
+    async def delete(self, key: str) -> None:
+        check_key(key)
+        await self._call(f"delete {key!r}", "delete_object", Bucket=self._bucket, Key=self._s3_key(key))
+
+    async def makedirs(self, key: str) -> None:
+        check_key(key, allow_root=True)
+
+    async def remove_dir(self, key: str) -> None:
+        check_key(key, allow_root=True)
+
+    async def aclose(self) -> None:
+        # s3fs closes its client only when the filesystem is garbage
+        # collected; close it now so no socket outlives the backend.
+        with trio.move_on_after(self._timeout_s), _mapped("close"):
+            await _on_loop(self._fs.loop, self._close_client())
+
+    # -- helpers --
+
+    def _s3_key(self, key: str) -> str:
+        return join_key(self._prefix, key) if key else self._prefix
+
+    def _dir_prefix(self, key: str) -> str:
+        full = self._s3_key(key)
+        return f"{full}/" if full else ""
+
+    async def _check_bucket(self, endpoint: str) -> None:
+        try:
+            await self._call(f"bucket {self._bucket!r}", "head_bucket", Bucket=self._bucket)
+        except TransientBackendError:
+            raise
+        except BackendNotFound:
+            raise BackendError(f"bucket {self._bucket!r} does not exist at {endpoint}") from None
+        except BackendError as e:
+            raise BackendError(f"bucket {self._bucket!r} at {endpoint} cannot be used: {e}", errno_=e.errno) from None
+
+    async def _head(self, key: str) -> ObjectInfo | None:
+        try:
+            head = await self._call(f"stat {key!r}", "head_object", Bucket=self._bucket, Key=self._s3_key(key))
+        except BackendNotFound:
+            return None
+        return ObjectInfo(key, head["ContentLength"], _mtime_ns(head.get("LastModified")), _etag(head), False)
+
+    async def _call(self, what: str, method: str, **kwargs: Any) -> dict[str, Any]:
+        return await self._run(what, self._client_call, method, kwargs)
+
+    async def _run(self, what: str, coro_fn, *args: Any):
+        with _mapped(what):
+            with trio.fail_after(self._timeout_s):  # waiting for a slot counts
+                async with self._limiter:
+                    return await _on_loop(self._fs.loop, coro_fn(*args))
+
+    # Coroutines below run on s3fs's asyncio loop, never on trio's.
+
+    async def _client_call(self, method: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        client = await self._fs.set_session()
+        return await getattr(client, method)(**kwargs)
+
+    async def _get_body(self, kwargs: dict[str, Any]) -> bytes:
+        client = await self._fs.set_session()
+        try:
+            response = await client.get_object(**kwargs)
+        except boto_errors.ClientError as e:
+            if e.response.get("Error", {}).get("Code") == "InvalidRange":
+                return b""  # the object exists and ends before the range starts
+            raise
+        async with response["Body"] as body:
+            return await body.read()
+
+    async def _close_client(self) -> None:
+        creator = getattr(self._fs, "_s3creator", None)
+        if getattr(self._fs, "_s3", None) is not None and creator is not None:
+            self._fs._s3 = None
+            await creator.__aexit__(None, None, None)
+
+
+class S3Upload(Upload):
+    """A multipart upload created on the first stored part.
+
+    A short part 0 (under S3_PUT_BYTES_MAX) is the whole object: it is copied
+    and sent as one PutObject at ``complete``, which saves two requests per
+    small file.  Parts are capped at S3_PARTS_MAX (``BackendError`` with
+    EFBIG beyond).
+    """
+
+    def __init__(self, backend: S3Backend, key: str, part_bytes: int):
+        super().__init__(key, part_bytes)
+        self._b = backend
+        self._s3_key = backend._s3_key(key)
+        self._upload_id: str | None = None
+        self._create_lock = trio.Lock()
+        self._etags: dict[int, str] = {}
+        self._small: bytes | None = None  # a short part 0, sent at complete
+        self._source_sizes: dict[str, int] = {}
+        self._published = False
+
+    async def _write_part(self, index: int, data: Buffer) -> None:
+        self._check_part_number(index)
+        if index == 0 and len(data) < min(self.part_bytes, S3_PUT_BYTES_MAX):
+            self._small = bytes(data)  # data is only borrowed until we return
+            self._etags.pop(0, None)
+            return
+        upload_id = await self._multipart_id()
+        response = await self._b._call(
+            f"write part {index} of {self.key!r}",
+            "upload_part",
+            Bucket=self._b._bucket,
+            Key=self._s3_key,
+            UploadId=upload_id,
+            PartNumber=index + 1,
+            Body=data,
+        )
+        self._store_etag(index, response["ETag"])
+
+    async def _copy_part(self, index: int, src_key: str, offset: int, length: int) -> None:
+        self._check_part_number(index)
+        what = f"copy {src_key!r}[{offset}:{offset + length}] to part {index} of {self.key!r}"
+        await self._check_source(what, src_key, offset + length)
+        upload_id = await self._multipart_id()
+        response = await self._b._call(
+            what,
+            "upload_part_copy",
+            Bucket=self._b._bucket,
+            Key=self._s3_key,
+            UploadId=upload_id,
+            PartNumber=index + 1,
+            CopySource={"Bucket": self._b._bucket, "Key": self._b._s3_key(src_key)},
+            CopySourceRange=f"bytes={offset}-{offset + length - 1}",
+        )
+        self._store_etag(index, response["CopyPartResult"]["ETag"])
+
+    async def _complete(self, size: int, part_count: int) -> ObjectInfo:
+        if not self._published:  # a retried complete goes straight to the check
+            await self._publish(part_count)
+            self._published = True
+        info = await self._b._head(self.key)
+        # Check the other side of the boundary: S3 servers differ in how they
+        # treat odd copy ranges, and a wrong size must not pass silently.
+        if info is None or info.size != size:
+            raise BackendError(f"publish {self.key!r}: expected {size} bytes, the server has {info}")
+        return info
+
+    async def _abort(self) -> None:
+        self._small = None
+        await self._discard_multipart()
+
+    # -- helpers --
+
+    async def _publish(self, part_count: int) -> None:
+        if part_count == 0 or (part_count == 1 and self._small is not None):
+            body = self._small if part_count else b""
+            await self._b._call(f"publish {self.key!r}", "put_object", Bucket=self._b._bucket, Key=self._s3_key, Body=body)
+            await self._discard_multipart()  # one started for an earlier version of part 0
+        else:
+            await self._complete_multipart(part_count)
+
+    async def _discard_multipart(self) -> None:
+        if self._upload_id is None:
+            return
+        try:
+            await self._b._call(
+                f"abort upload of {self.key!r}",
+                "abort_multipart_upload",
+                Bucket=self._b._bucket,
+                Key=self._s3_key,
+                UploadId=self._upload_id,
+            )
+        except BackendNotFound:
+            pass  # already gone
+        self._upload_id = None
+
+    def _check_part_number(self, index: int) -> None:
+        if index >= S3_PARTS_MAX:
+            raise BackendError(
+                f"{self.key!r}: part {index} is beyond S3's {S3_PARTS_MAX} parts "
+                f"({S3_PARTS_MAX * self.part_bytes} bytes at most)",
+                errno_=errno.EFBIG,
+            )
+
+    def _store_etag(self, index: int, etag: str) -> None:
+        self._etags[index] = etag
+        if index == 0:
+            self._small = None  # the multipart version of part 0 is now the latest
+
+    async def _multipart_id(self) -> str:
+        async with self._create_lock:  # concurrent first parts create it once
+            if self._upload_id is None:
+                response = await self._b._call(
+                    f"start upload of {self.key!r}",
+                    "create_multipart_upload",
+                    Bucket=self._b._bucket,
+                    Key=self._s3_key,
+                )
+                self._upload_id = response["UploadId"]
+            return self._upload_id
+
+    async def _check_source(self, what: str, src_key: str, end: int) -> None:
+        # Some S3 servers (moto) copy a range past the end short, silently.
+        if src_key not in self._source_sizes:
+            info = await self._b._head(src_key)
+            if info is None:
+                raise BackendNotFound(f"{what}: no such source object")
+            self._source_sizes[src_key] = info.size
+        if end > self._source_sizes[src_key]:
+            raise BackendError(f"{what}: the source ends at byte {self._source_sizes[src_key]}")
+
+    async def _complete_multipart(self, part_count: int) -> None:
+        etags = [self._etags[i] for i in range(part_count)]
+        parts = [{"PartNumber": i + 1, "ETag": etag} for i, etag in enumerate(etags)]
+        try:
+            await self._b._call(
+                f"publish {self.key!r}",
+                "complete_multipart_upload",
+                Bucket=self._b._bucket,
+                Key=self._s3_key,
+                UploadId=self._upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except BackendNotFound:
+            # The upload is gone: if an earlier attempt completed it and only
+            # the answer was lost, the object carries this upload's ETag.
+            info = await self._b._head(self.key)
+            if info is None or info.etag != _multipart_etag(etags):
+                raise
+        self._upload_id = None
+
+
+# --- pure helpers ---------------------------------------------------------------------------
+
+
+def _parse_url(url: str) -> tuple[str, str]:
+    rest = url[len("s3://") :] if url.startswith("s3://") else ""
+    bucket, _, prefix = rest.partition("/")
+    prefix = prefix.strip("/")
+    if not bucket:
+        raise ConfigError(f"S3 backend {url!r}: want s3://bucket[/prefix]")
+    try:
+        check_key(prefix, allow_root=True)
+    except BackendError as e:
+        raise ConfigError(f"S3 backend {url!r}: bad prefix: {e}") from None
+    return bucket, prefix
+
+
+def _make_fs(options: dict[str, Any]) -> s3fs.S3FileSystem:
+    endpoint = options.get("s3_endpoint")
+    client_kwargs: dict[str, Any] = {}
+    if options.get("s3_region"):
+        client_kwargs["region_name"] = options["s3_region"]
+    if endpoint and str(endpoint).startswith("http://"):
+        # aiobotocore loads AWS_CA_BUNDLE for every connection, even plain
+        # HTTP ones, and a bundle path that does not exist here would then
+        # fail every request.  TLS settings cannot matter to plain HTTP.
+        client_kwargs["verify"] = False
+    config_kwargs = {
+        "connect_timeout": option_float(options, "s3_connect_timeout", BACKEND_CONNECT_TIMEOUT_S),
+        "read_timeout": BACKEND_READ_TIMEOUT_S,
+        "retries": {"total_max_attempts": 1},  # the persister owns retries
+        "max_pool_connections": BACKEND_THREADS_MAX,
+        # botocore's type check refuses memoryview bodies, which would force
+        # a copy of every part; the types we send are fixed by this module.
+        "parameter_validation": False,
+        # Only where S3 requires one: newer default checksums break many
+        # S3-compatible servers, and chunks carry BLAKE3 end to end anyway.
+        "request_checksum_calculation": "when_required",
+        "response_checksum_validation": "when_required",
+    }
+    fs = s3fs.S3FileSystem(
+        anon=option_bool(options, "s3_anon", False),
+        key=options.get("s3_key"),
+        secret=options.get("s3_secret"),
+        endpoint_url=endpoint,
+        client_kwargs=client_kwargs,
+        config_kwargs=config_kwargs,
+        skip_instance_cache=True,
+        use_listings_cache=False,
+    )
+    fs.retries = 1  # s3fs's own retry loop (SlowDown, timeouts): one attempt only
+    return fs
+
+
+def _page_entries(key: str, prefix: str, page: dict[str, Any]) -> Iterator[ObjectInfo]:
+    for common in page.get("CommonPrefixes", ()):
+        name = common["Prefix"][len(prefix) :].rstrip("/")
+        if is_valid_name(name):
+            yield ObjectInfo(join_key(key, name), 0, 0, None, True)
+    for obj in page.get("Contents", ()):
+        name = obj["Key"][len(prefix) :]
+        if is_valid_name(name):  # skips the "dir/" marker object and unusable names
+            yield ObjectInfo(join_key(key, name), obj["Size"], _mtime_ns(obj.get("LastModified")), _etag(obj), False)
+
+
+def _mtime_ns(when: datetime | None) -> int:
+    if when is None:
+        return 0
+    return (when - _EPOCH) // timedelta(microseconds=1) * 1000
+
+
+def _etag(head: dict[str, Any]) -> str | None:
+    etag = head.get("ETag")
+    return etag.strip('"') if etag else None
+
+
+def _multipart_etag(etags: list[str]) -> str | None:
+    """The ETag S3 gives an object completed from parts with these ETags."""
+    try:
+        digests = b"".join(bytes.fromhex(etag.strip('"')) for etag in etags)
+    except ValueError:
+        return None  # not MD5 ETags (e.g. SSE-KMS): cannot tell
+    return f"{hashlib.md5(digests).hexdigest()}-{len(etags)}"

@@ -1,0 +1,179 @@
+"""``aiturbo`` — the operator's command: wait, status, drop-cache.
+
+``aiturbo wait PATH...`` blocks until every regular file under the paths is
+durable in the backend (future 1), showing bytes, rate and ETA; it exits 1
+naming any broken file, 2 on usage errors (a path not on aiturbofs).
+``aiturbo status [MOUNTPOINT]`` asks running daemons through their control
+sockets.
+"""
+
+import argparse
+import errno
+import glob
+import json
+import os
+import sys
+import time
+
+from .._limits import WAIT_POLL_S
+
+STATE_XATTR = "user.aiturbo.state"
+
+
+def _files(paths: list[str]) -> list[tuple[str, int]]:
+    out = []
+    for top in paths:
+        if os.path.isfile(top) and not os.path.islink(top):
+            out.append((top, os.stat(top).st_size))
+            continue
+        if not os.path.isdir(top):
+            raise FileNotFoundError(errno.ENOENT, "no such file or directory", top)
+        for root, _, names in os.walk(top):
+            for name in names:
+                p = os.path.join(root, name)
+                if os.path.isfile(p) and not os.path.islink(p):
+                    out.append((p, os.stat(p).st_size))
+    return out
+
+
+def _state(path: str) -> str:
+    return os.getxattr(path, STATE_XATTR).decode()
+
+
+def cmd_wait(args) -> int:
+    from tqdm import tqdm
+
+    try:
+        files = _files(args.paths)
+        pending = dict(files)
+        for path in list(pending):
+            _state(path)  # fails early for paths outside aiturbofs
+    except OSError as exc:
+        print(f"aiturbo wait: {exc.filename or ''}: {exc.strerror} (is it on an aiturbofs mount?)", file=sys.stderr)
+        return 2
+    broken = []
+    deadline = time.monotonic() + args.timeout if args.timeout else None
+    total = sum(size for _, size in files)
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="durable",
+              disable=args.quiet, file=sys.stderr) as bar:
+        while pending:
+            for path, size in list(pending.items()):
+                try:
+                    state = _state(path)
+                except FileNotFoundError:
+                    state = "durable"  # removed meanwhile: nothing left to wait for
+                if state in ("durable", "broken"):
+                    del pending[path]
+                    bar.update(size)
+                    if state == "broken":
+                        broken.append(path)
+            if not pending:
+                break
+            if deadline and time.monotonic() > deadline:
+                print(f"aiturbo wait: timed out; {len(pending)} file(s) not durable yet, e.g. {next(iter(pending))}", file=sys.stderr)
+                return 3
+            time.sleep(WAIT_POLL_S)
+    if broken:
+        for path in broken:
+            print(f"aiturbo wait: broken: {path}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _sockets(mountpoint: str | None) -> list[str]:
+    from ..node import control_socket
+    from ..node._paths import RUN_ROOT
+
+    if mountpoint:
+        return [control_socket(mountpoint)]
+    return sorted(glob.glob(os.path.join(RUN_ROOT, "*.sock")))
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def _print_status(s: dict) -> None:
+    pool, p = s["pool"], s["persist"]
+    print(f"{s['mountpoint']}  <-  {s['backend']}   (up {s['uptime_s']:.0f} s)")
+    print(f"  pool     {_human(pool['used_bytes'])} used of {_human(pool['budget_bytes'])}: "
+          f"dirty {_human(pool['dirty_bytes'])}, clean {_human(pool['clean_bytes'])}, "
+          f"open {_human(pool['open_bytes'])}, spilled {_human(pool['spilled_bytes'])}"
+          + (f", {pool['waiting_writers']} writer(s) waiting" if pool["waiting_writers"] else ""))
+    print(f"  persist  queue {p['queue']}, durable {p['files_durable']}, broken {p['files_broken']}, "
+          f"uploaded {_human(p['bytes_uploaded'])}, retries {p['retries']}")
+    for path in p["queued"]:
+        print(f"           - {path}")
+    for name, g in s.get("groups", {}).items():
+        print(f"  group {name}: {g['files']} file(s), {_human(g['bytes'])}, {g['chunks']} chunks, {g['distinct_chunks']} distinct")
+    if s["errors"]:
+        print("  recent errors:")
+        for e in s["errors"]:
+            print(f"    {e}")
+
+
+def cmd_status(args) -> int:
+    from ..node._control import call
+
+    sockets = _sockets(args.mountpoint)
+    if not sockets:
+        print("aiturbo status: no running aiturbofs daemon found", file=sys.stderr)
+        return 1
+    code = 0
+    for path in sockets:
+        try:
+            s = call(path, {"cmd": "status"})
+        except OSError as exc:
+            print(f"aiturbo status: {path}: {exc.strerror or exc}", file=sys.stderr)
+            code = 1
+            continue
+        if args.json:
+            print(json.dumps(s))
+        else:
+            _print_status(s)
+    return code
+
+
+def cmd_simple(args, request: dict) -> int:
+    from ..node._control import call
+
+    try:
+        answer = call(_sockets(args.mountpoint)[0], request)
+    except OSError as exc:
+        print(f"aiturbo: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(answer))
+    return 0 if answer.get("ok") else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="aiturbo", description="Operate aiturbofs mounts.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("wait", help="block until files are durable in the backend, with progress")
+    w.add_argument("paths", nargs="+", help="files or directories on an aiturbofs mount")
+    w.add_argument("--timeout", type=float, default=0, help="give up after this many seconds (exit 3)")
+    w.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    st = sub.add_parser("status", help="pool use, persist queue and recent errors of running daemons")
+    st.add_argument("mountpoint", nargs="?", help="default: every daemon on this host")
+    st.add_argument("--json", action="store_true")
+    dc = sub.add_parser("drop-cache", help="evict clean (durable) chunks from a daemon's DRAM pool")
+    dc.add_argument("mountpoint")
+    df = sub.add_parser("debug-fault", help="(tests) make a handler raise once; needs -o debug_faults")
+    df.add_argument("mountpoint")
+    df.add_argument("handler")
+    args = p.parse_args(argv)
+    if args.cmd == "wait":
+        return cmd_wait(args)
+    if args.cmd == "status":
+        return cmd_status(args)
+    if args.cmd == "drop-cache":
+        return cmd_simple(args, {"cmd": "drop-cache"})
+    return cmd_simple(args, {"cmd": "debug-fault", "handler": args.handler})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

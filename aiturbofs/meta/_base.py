@@ -1,0 +1,288 @@
+"""The metadata engine's contract: ``MetaStore``, ``InodeRow`` and the states.
+
+This module owns the vocabulary every engine (SQLite, PostgreSQL) implements
+and every caller (vfs, persister, controller) relies on.  It holds no I/O.
+It must never import anything of the filesystem beyond ``_limits`` and
+``_errors``: the metadata layer sits below everything that uses it.
+
+Conventions shared by every method:
+
+- Every public method is ``async`` and runs as ONE transaction: either all of
+  its effects are visible to other stores (other daemons) or none are.
+- Names are ``bytes`` (any bytes except ``b"/"`` and ``b"\\0"``, not ``b"."``
+  or ``b".."``, at most ``NAME_BYTES_MAX`` long).
+- Timestamps are integer nanoseconds since the epoch.  Bookkeeping times the
+  engine sets itself (a parent's mtime on create, ctime on rename...) come from
+  the engine's host clock.
+- Operating errors are ``aiturbofs._errors`` classes; the fuse layer maps
+  them to errno.  Wrong arguments that only a bug can produce (an unknown
+  state, a field that does not exist) raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+STATE_STAGED = "staged"  # every byte is in the cluster DRAM pool (future 0)
+STATE_PERSISTING = "persisting"  # an upload of the current version is running
+STATE_DURABLE = "durable"  # backend_keys hold the current version (future 1)
+STATE_BROKEN = "broken"  # data lost or persist failed for good: reads get EIO
+STATES = frozenset({STATE_STAGED, STATE_PERSISTING, STATE_DURABLE, STATE_BROKEN})
+
+ROOT_INO = 1
+
+# Xattrs under this prefix are aiturbo's own settings (group tag, fsync
+# policy...).  A child inherits them from its directory at create, except the
+# state: that one describes a single file and is never copied.
+INHERIT_XATTR_PREFIX = b"user.aiturbo."
+STATE_XATTR = b"user.aiturbo.state"
+
+
+@dataclass
+class InodeRow:
+    """One inode as the metadata engine stores it.
+
+    ``manifest`` is the concatenation of the file's 32-byte BLAKE3 chunk hashes
+    (chunk i is ``manifest[32*i : 32*i + 32]``); an all-zero hash is a hole.
+    ``None`` means unknown: the file was imported from the backend and not
+    hashed yet.  ``version`` is bumped by every ``commit_manifest`` and is the
+    token of the ``set_state`` compare-and-set; ``persisted_version`` is the
+    version that ``backend_keys`` hold (-1: none).
+    """
+
+    ino: int
+    mode: int  # full st_mode, file type bits included
+    uid: int
+    gid: int
+    size: int
+    nlink: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    rdev: int = 0
+    target: bytes | None = None  # symlink target
+    state: str | None = None  # regular files only: one of STATES
+    version: int = 0
+    manifest: bytes | None = None
+    backend_keys: list[str] = field(default_factory=list)
+    backend_etag: str | None = None  # to notice a change made outside the mount
+    imported_ns: int = 0  # dirs: when the backend listing was last imported
+    persisted_version: int = -1
+
+
+INODE_FIELDS = tuple(f.name for f in dataclasses.fields(InodeRow))
+# Fields a caller may change with set_attrs; ino is the identity.
+SETTABLE_FIELDS = frozenset(INODE_FIELDS) - {"ino"}
+
+
+class MetaStore(ABC):
+    """The namespace, manifests, durability states and xattrs of one mount.
+
+    Several stores (daemons) may share one database; each sees the others'
+    committed transactions at its next call.
+    """
+
+    @abstractmethod
+    async def init(self, *, root_uid: int, root_gid: int, root_mode: int) -> None:
+        """Open the database, create the schema and the root inode if missing.
+
+        Must be called once before any other method.  Existing data (schema
+        and root) is left as it is, so every daemon calls this at start.
+        ``root_mode`` may omit the ``S_IFDIR`` bits.  Raises ``ConfigError``
+        if the database was written by a newer schema version.
+        """
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Release the connection.  Idempotent; the store is unusable after."""
+
+    @abstractmethod
+    async def get_inode(self, ino: int) -> InodeRow:
+        """The row of ``ino``.  Raises ``NotFound``."""
+
+    @abstractmethod
+    async def lookup(self, parent: int, name: bytes) -> InodeRow:
+        """The inode ``name`` in directory ``parent`` names.  Raises ``NotFound``."""
+
+    @abstractmethod
+    async def readdir(
+        self, parent: int, offset: int, limit: int
+    ) -> list[tuple[bytes, InodeRow, int]]:
+        """Up to ``limit`` entries of ``parent`` after the token ``offset``.
+
+        Each item is ``(name, row, next_offset)``; ``next_offset`` (> 0) passed
+        back resumes right after that entry.  Start with ``offset=0``.  Order
+        is stable: entries created or removed between calls never make another
+        entry repeat or go missing (new ones may or may not show, like POSIX).
+        ``.`` and ``..`` are not included.  ``limit`` is clamped to
+        ``META_READDIR_ENTRIES_MAX``.  Raises ``NotFound`` / ``NotADirectory``
+        for a bad ``parent``.
+        """
+
+    @abstractmethod
+    async def create(
+        self,
+        parent: int,
+        name: bytes,
+        row: InodeRow,
+        *,
+        inherit_xattr_prefix: bytes | None = INHERIT_XATTR_PREFIX,
+    ) -> InodeRow:
+        """Allocate a new inode from ``row`` and link it as ``parent/name``.
+
+        ``row.ino`` is ignored (inode numbers are never reused) and ``nlink``
+        is set by the engine (2 for a directory, 1 otherwise).  A regular file
+        without a state starts ``STATE_STAGED``; other types get no state.
+        The parent's mtime/ctime are set to now and its nlink grows by one
+        for a new directory.  A new directory or regular file gets a copy of
+        the parent's xattrs whose name starts with ``inherit_xattr_prefix``
+        (none if ``None``), except ``STATE_XATTR``.  Returns the stored row.
+        Raises ``NotFound`` (parent), ``NotADirectory`` (parent), ``Exists``,
+        ``InvalidArgument`` / ``NameTooLong`` (name or symlink target).
+        """
+
+    @abstractmethod
+    async def link(self, ino: int, new_parent: int, new_name: bytes) -> InodeRow:
+        """Hard link: add ``new_parent/new_name`` for ``ino``, nlink + 1.
+
+        Raises ``NotFound``, ``NotPermitted`` (``ino`` is a directory, like
+        link(2)), ``NotADirectory``, ``Exists``, ``TooManyLinks``.
+        """
+
+    @abstractmethod
+    async def unlink(self, parent: int, name: bytes) -> InodeRow:
+        """Remove ``parent/name``; return the inode's row with nlink - 1.
+
+        The inode row is kept even at nlink 0: the caller drops it with
+        ``delete_inode`` once no handle has it open (``orphans`` finds the
+        ones a crash left behind).  Raises ``NotFound``, ``NotADirectory``
+        (parent), ``IsADirectory`` (use rmdir).
+        """
+
+    @abstractmethod
+    async def rmdir(self, parent: int, name: bytes) -> InodeRow:
+        """Remove the empty directory ``parent/name`` and its inode row.
+
+        Returns the removed row (nlink 0).  Raises ``NotFound``,
+        ``NotADirectory``, ``NotEmpty``.
+        """
+
+    @abstractmethod
+    async def rename(
+        self,
+        parent: int,
+        name: bytes,
+        new_parent: int,
+        new_name: bytes,
+        *,
+        noreplace: bool = False,
+        exchange: bool = False,
+    ) -> InodeRow | None:
+        """Move ``parent/name`` to ``new_parent/new_name`` with POSIX semantics.
+
+        An existing target is replaced: a file (or symlink...) loses one link
+        and its row is returned with the new nlink, kept like ``unlink``
+        keeps it; an empty directory is deleted and its row returned with
+        nlink 0.  Returns ``None`` when nothing was replaced, for
+        ``exchange`` and for the no-op cases (same entry; both names already
+        link the same inode).  ``exchange`` swaps the two entries.
+        Directory nlink bookkeeping, ctime of the moved inode(s) and
+        mtime/ctime of both parents are updated.  The moved entry keeps its
+        readdir position token.
+        Raises ``NotFound`` (source, or target with ``exchange``),
+        ``NotADirectory`` (directory over non-directory, or a bad parent),
+        ``IsADirectory`` (non-directory over directory), ``NotEmpty``,
+        ``Exists`` (``noreplace``), ``InvalidArgument`` (a directory into its
+        own subtree, or both flags).
+        """
+
+    @abstractmethod
+    async def set_attrs(self, ino: int, /, **fields) -> InodeRow:
+        """Set the given ``InodeRow`` fields (any but ``ino``); return the row.
+
+        Raises ``NotFound``; ``ValueError`` for an unknown field.
+        """
+
+    @abstractmethod
+    async def commit_manifest(
+        self,
+        ino: int,
+        *,
+        size: int,
+        manifest: bytes | None,
+        state: str,
+        mtime_ns: int | None = None,
+    ) -> InodeRow:
+        """Record new content: size, manifest and state; version + 1.
+
+        ``mtime_ns``, when given, sets both mtime and ctime (content changed).
+        Returns the row with the new version.  On SQLite this commit is
+        synced to disk before it returns.  Raises ``NotFound``.
+        """
+
+    @abstractmethod
+    async def set_state(
+        self, ino: int, state: str, /, *, if_version: int | None = None, **fields
+    ) -> bool:
+        """Set the state (and other fields) if the version still matches.
+
+        Returns ``False`` and changes nothing when ``if_version`` is given and
+        the row's version differs (a newer commit won the race).  ``fields``
+        are as in ``set_attrs`` except ``version``, which only
+        ``commit_manifest`` moves.  Raises ``NotFound``.
+        """
+
+    @abstractmethod
+    async def paths_of(self, ino: int) -> list[str]:
+        """Every path of ``ino`` relative to the root, without a leading '/'.
+
+        One per hard link, e.g. ``['a/b/c.bin', 'x.bin']``; names are decoded
+        with ``os.fsdecode``.  ``[]`` if the inode is unlinked or missing;
+        the root is ``['']``.
+        """
+
+    @abstractmethod
+    async def inodes_in_states(self, states: Sequence[str]) -> list[InodeRow]:
+        """Every inode whose state is one of ``states`` (ordered by ino)."""
+
+    @abstractmethod
+    async def orphans(self) -> list[InodeRow]:
+        """Every inode with nlink 0: unlinked while open, then not deleted."""
+
+    @abstractmethod
+    async def delete_inode(self, ino: int) -> None:
+        """Drop the row of an unlinked inode with its manifest and xattrs.
+
+        A no-op if the row is already gone.  ``ValueError`` if a directory
+        entry still names the inode (a bug: unlink first).
+        """
+
+    @abstractmethod
+    async def getxattr(self, ino: int, name: bytes) -> bytes:
+        """The value of xattr ``name``.  Raises ``NoAttribute``, ``NotFound``."""
+
+    @abstractmethod
+    async def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
+        """Create or replace xattr ``name``.
+
+        ``flags``: ``os.XATTR_CREATE`` -> ``Exists`` if present;
+        ``os.XATTR_REPLACE`` -> ``NoAttribute`` if missing.  Raises
+        ``OutOfRange`` for a name or value over the limits or a new name past
+        ``XATTRS_PER_INODE_MAX``, ``InvalidArgument`` for an empty name or
+        both flags, ``NotFound``.
+        """
+
+    @abstractmethod
+    async def listxattr(self, ino: int) -> list[bytes]:
+        """The names of ``ino``'s xattrs, sorted.  Raises ``NotFound``."""
+
+    @abstractmethod
+    async def removexattr(self, ino: int, name: bytes) -> None:
+        """Remove xattr ``name``.  Raises ``NoAttribute``, ``NotFound``."""
+
+    @abstractmethod
+    async def stats(self) -> tuple[int, int]:
+        """``(inode count, total bytes of regular file sizes)`` for statfs."""

@@ -1,0 +1,160 @@
+"""Mount options: one table, parsed and validated with clear messages.
+
+``-o`` takes comma-separated ``name`` or ``name=value`` items, as mount(8)
+passes them.  Generic mount(8)/fstab words (``defaults``, ``noauto``,
+``_netdev``, ``x-*`` ...) are accepted and ignored; anything unknown is an
+error that names the option, so a typo never silently changes behaviour.
+"""
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from .._errors import ConfigError
+from .._limits import (
+    DRAIN_TIMEOUT_S_DEFAULT,
+    GiB,
+    IMPORT_TTL_S,
+    KiB,
+    MiB,
+    PERSIST_RETRY_WINDOW_S,
+    POOL_BYTES_MIN,
+    POOL_DEFAULT_RAM_FRACTION,
+)
+
+IGNORED = {
+    "defaults", "rw", "auto", "noauto", "user", "users", "nouser", "nofail", "_netdev",
+    "dev", "nodev", "suid", "nosuid", "exec", "noexec", "async", "atime", "noatime",
+    "relatime", "norelatime", "diratime", "nodiratime", "loud", "silent",
+}
+
+# name -> (kind, help); kind in: size, float, str, path, flag, choice:a|b
+OPTIONS = {
+    "dram": ("size", "DRAM staging pool budget, e.g. 64G (default: a quarter of RAM)"),
+    "spill": ("path", "local disk dir: staged chunks are copied there in the background (crash-safe) and dropped from DRAM under pressure"),
+    "state_dir": ("path", "local state (SQLite metadata, default spill, log); default /var/lib/aiturbo/<mount id>"),
+    "fsync": ("choice:staged|durable", "what fsync waits for: staged (DRAM, default) or durable (backend)"),
+    "sync_close": ("flag", "close() waits until the file is durable (write-through)"),
+    "drain_timeout": ("float", f"seconds to drain the persist queue at unmount/SIGTERM (default {DRAIN_TIMEOUT_S_DEFAULT:.0f})"),
+    "import_ttl": ("float", f"seconds before a directory is re-listed in the backend (default {IMPORT_TTL_S:g})"),
+    "persist_retry_window": ("float", f"seconds of transient backend errors before a file is broken (default {PERSIST_RETRY_WINDOW_S:.0f})"),
+    "s3_endpoint": ("str", "S3 endpoint URL, e.g. http://127.0.0.1:9000"),
+    "s3_region": ("str", "S3 region"),
+    "s3_anon": ("flag", "anonymous S3 access"),
+    "s3_connect_timeout": ("float", "seconds to wait for an S3 connection"),
+    "allow_other": ("flag", "let other users access the mount (off by default)"),
+    "ro": ("flag", "mount read-only"),
+    "debug": ("flag", "verbose logging"),
+    "log": ("path", "log file when daemonized (default <state_dir>/aiturbo.log)"),
+    "debug_faults": ("flag", "allow `aiturbo debug-fault` to inject handler errors (tests only)"),
+}
+
+_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?")
+_SIZE_UNITS = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1024 * GiB}
+
+
+def parse_size(text: str) -> int:
+    m = _SIZE_RE.fullmatch(text.strip())
+    if not m:
+        raise ConfigError(f"bad size {text!r}: use a number with an optional K/M/G/T suffix, e.g. 64G")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+@dataclass
+class NodeConfig:
+    backend: str
+    mountpoint: str
+    foreground: bool = False
+    dram_bytes: int = 0
+    spill: str | None = None
+    state_dir: str | None = None
+    fsync_durable: bool = False
+    sync_close: bool = False
+    drain_timeout_s: float = DRAIN_TIMEOUT_S_DEFAULT
+    import_ttl_s: float = IMPORT_TTL_S
+    persist_retry_window_s: float = PERSIST_RETRY_WINDOW_S
+    backend_options: dict = field(default_factory=dict)
+    allow_other: bool = False
+    read_only: bool = False
+    debug: bool = False
+    log: str | None = None
+    debug_faults: bool = False
+
+
+def default_dram_bytes() -> int:
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(POOL_BYTES_MIN, int(total * POOL_DEFAULT_RAM_FRACTION))
+
+
+def _convert(name: str, kind: str, value: str | None):
+    if kind == "flag":
+        if value not in (None, "1", "true", "yes", "0", "false", "no"):
+            raise ConfigError(f"option {name} takes no value (got {value!r})")
+        return value not in ("0", "false", "no")
+    if value is None or value == "":
+        raise ConfigError(f"option {name} needs a value: {name}=...")
+    if kind == "size":
+        return parse_size(value)
+    if kind == "float":
+        try:
+            v = float(value)
+        except ValueError:
+            raise ConfigError(f"option {name} needs a number of seconds, got {value!r}") from None
+        if not (v >= 0 and v < 1e9):
+            raise ConfigError(f"option {name} must be between 0 and 1e9, got {value!r}")
+        return v
+    if kind.startswith("choice:"):
+        choices = kind[7:].split("|")
+        if value not in choices:
+            raise ConfigError(f"option {name} must be one of {', '.join(choices)}, got {value!r}")
+        return value
+    if kind == "path":
+        if not os.path.isabs(value):
+            raise ConfigError(f"option {name} needs an absolute path, got {value!r}")
+        return value
+    return value
+
+
+def parse_options(text: str) -> dict:
+    """``a,b=c`` -> {name: converted value}; raises ConfigError naming the problem."""
+    out: dict = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, _, value = item.partition("=")
+        value = value if "=" in item else None
+        if name in IGNORED or name.startswith("x-") or name.startswith("comment="):
+            continue
+        spec = OPTIONS.get(name)
+        if spec is None:
+            raise ConfigError(f"unknown mount option {name!r} (see mount.aiturbo --help)")
+        out[name] = _convert(name, spec[0], value)
+    return out
+
+
+def build_config(backend: str, mountpoint: str, options: dict, *, foreground: bool) -> NodeConfig:
+    cfg = NodeConfig(backend=backend, mountpoint=os.path.abspath(mountpoint), foreground=foreground)
+    cfg.dram_bytes = options.get("dram") or default_dram_bytes()
+    if cfg.dram_bytes < POOL_BYTES_MIN:
+        raise ConfigError(f"dram={cfg.dram_bytes} is below the minimum of {POOL_BYTES_MIN} bytes (two chunks)")
+    cfg.spill = options.get("spill")
+    cfg.state_dir = options.get("state_dir")
+    cfg.fsync_durable = options.get("fsync") == "durable"
+    cfg.sync_close = options.get("sync_close", False)
+    cfg.drain_timeout_s = options.get("drain_timeout", DRAIN_TIMEOUT_S_DEFAULT)
+    cfg.import_ttl_s = options.get("import_ttl", IMPORT_TTL_S)
+    cfg.persist_retry_window_s = options.get("persist_retry_window", PERSIST_RETRY_WINDOW_S)
+    cfg.backend_options = {k: v for k, v in options.items() if k.startswith("s3_")}
+    cfg.allow_other = options.get("allow_other", False)
+    cfg.read_only = options.get("ro", False)
+    cfg.debug = options.get("debug", False)
+    cfg.log = options.get("log")
+    cfg.debug_faults = options.get("debug_faults", False)
+    return cfg
+
+
+def options_help() -> str:
+    lines = ["mount options (-o name[=value],...):"]
+    for name, (kind, text) in OPTIONS.items():
+        shown = name if kind == "flag" else f"{name}={kind.upper() if not kind.startswith('choice:') else kind[7:]}"
+        lines.append(f"  {shown:<32} {text}")
+    lines.append("  generic mount words (defaults, noauto, _netdev, nofail, x-*) are accepted and ignored")
+    return "\n".join(lines)

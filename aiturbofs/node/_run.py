@@ -1,0 +1,219 @@
+"""Run one node daemon: state dir, layers, FUSE mount, signals, drain.
+
+Order matters: everything that can fail for a user-fixable reason (bad
+backend URL, missing bucket, locked state dir) fails *before* the kernel
+mount, with a message that reaches the ``mount.aiturbo`` caller.  After the
+mount, SIGTERM/SIGINT or an external unmount end the FUSE loop; the persist
+queue is then drained (bounded by ``drain_timeout``) before the process exits.
+"""
+
+import errno
+import fcntl
+import logging
+import os
+import signal
+import time
+
+import pyfuse3
+import trio
+
+from .. import backend as backend_mod
+from .. import meta as meta_mod
+from .._errors import AiturboError, ConfigError
+from .._limits import READ_AHEAD_KB
+from ..controller import EmbeddedController
+from ..fuse import Operations
+from ..staging import SpillStore, StagingPool
+from ..vfs import Filesystem, VfsOptions
+from . import _control
+from ._options import NodeConfig
+from ._paths import control_socket, default_state_dir
+
+log = logging.getLogger("aiturbofs.node")
+
+
+class ReadyPipe:
+    """Tells the waiting ``mount.aiturbo`` parent that the mount is up (or why not)."""
+
+    def __init__(self, fd: int | None):
+        self.fd = fd
+
+    def send(self, message: str) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.write(self.fd, message.encode())
+        finally:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _lock_state_dir(state_dir: str) -> int:
+    os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(state_dir, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"state dir {state_dir} is in use by another aiturbofs mount", errno_=errno.EBUSY) from None
+    return fd
+
+
+def _set_read_ahead(mountpoint: str) -> None:
+    # Not os.stat(mountpoint): that would ask our own, not yet serving, FUSE loop.
+    dev = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == mountpoint:
+                dev = fields[2]
+    if dev is None:
+        return
+    path = f"/sys/class/bdi/{dev}/read_ahead_kb"
+    try:
+        with open(path, "w") as f:
+            f.write(str(READ_AHEAD_KB))
+    except OSError as exc:
+        log.info("could not set read_ahead_kb on %s: %s", path, exc)
+
+
+async def _set_read_ahead_after_init(mountpoint: str) -> None:
+    # The kernel lowers read_ahead_kb when it processes FUSE INIT, which
+    # happens once the loop runs; raise it again after that.
+    await trio.sleep(0.3)
+    _set_read_ahead(mountpoint)
+
+
+def _fuse_options(cfg: NodeConfig) -> set[str]:
+    opts = set(pyfuse3.default_options)  # default_permissions: the kernel checks modes
+    opts.add(f"fsname=aiturbo:{cfg.backend}"[:200].replace(",", "_"))
+    opts.add("subtype=aiturbo")
+    if cfg.allow_other:
+        opts.add("allow_other")
+    if cfg.read_only:
+        opts.add("ro")
+    return opts
+
+
+def run_node(cfg: NodeConfig, ready_fd: int | None = None) -> int:
+    """Run the daemon until unmounted; returns the process exit code."""
+    ready = ReadyPipe(ready_fd)
+    state_dir = cfg.state_dir or default_state_dir(cfg.mountpoint)
+    try:
+        if not os.path.isdir(cfg.mountpoint):
+            raise ConfigError(f"mount point {cfg.mountpoint} is not a directory", errno_=errno.ENOTDIR)
+        lock_fd = _lock_state_dir(state_dir)
+    except AiturboError as exc:
+        log.error("%s", exc)
+        ready.send(f"ERR {exc}")
+        return 32
+    try:
+        return trio.run(_main, cfg, state_dir, ready)
+    except AiturboError as exc:
+        log.error("mount failed: %s", exc)
+        ready.send(f"ERR {exc}")
+        return 32
+    finally:
+        os.close(lock_fd)
+
+
+async def _main(cfg: NodeConfig, state_dir: str, ready: ReadyPipe) -> int:
+    meta = meta_mod.open_meta(f"sqlite:///{os.path.join(state_dir, 'meta.db')}")
+    await meta.init(root_uid=os.getuid(), root_gid=os.getgid(), root_mode=0o40755)
+    backend = await backend_mod.open_backend(cfg.backend, dict(cfg.backend_options))
+    spill = SpillStore(cfg.spill or os.path.join(state_dir, "spill"))
+    pool = StagingPool(cfg.dram_bytes, spill, eager_spill=cfg.spill is not None)
+    controller = EmbeddedController()
+    vopts = VfsOptions(
+        fsync_durable=cfg.fsync_durable, sync_close=cfg.sync_close, import_ttl_s=cfg.import_ttl_s,
+        persist_retry_window_s=cfg.persist_retry_window_s, drain_timeout_s=cfg.drain_timeout_s,
+        owner_uid=os.getuid(), owner_gid=os.getgid(),
+    )
+    fs = Filesystem(meta, backend, pool, vopts, reporter=controller.report_close)
+    ops = Operations(fs, debug_faults=cfg.debug_faults)
+    started = time.time()
+    exit_code = 0
+    async with trio.open_nursery() as nursery:
+        await fs.start(nursery)
+        nursery.start_soon(pool.run_spiller)
+        try:
+            pyfuse3.init(ops, cfg.mountpoint, _fuse_options(cfg))
+        except RuntimeError as exc:
+            raise ConfigError(f"FUSE mount of {cfg.mountpoint} failed: {exc}") from None
+        nursery.start_soon(_set_read_ahead_after_init, cfg.mountpoint)
+        dispatch = _Dispatcher(cfg, fs, pool, controller, ops, started)
+        await nursery.start(_control.serve, control_socket(cfg.mountpoint), dispatch)
+        nursery.start_soon(_watch_signals)
+        log.info("mounted %s at %s (pool %d MiB, spill %s, state %s)", cfg.backend, cfg.mountpoint,
+                 cfg.dram_bytes >> 20, spill.directory, state_dir)
+        ready.send("OK")
+        try:
+            await pyfuse3.main()
+        finally:
+            pyfuse3.close(unmount=True)
+        queued = fs.persister.queue_length()
+        log.info("unmounted %s; draining %d file(s) to the backend (timeout %.0f s)", cfg.mountpoint, queued, cfg.drain_timeout_s)
+        left = await fs.persister.drain(cfg.drain_timeout_s)
+        if left:
+            names = [await _describe(meta, ino) for ino in left[:20]]
+            log.error("drain timed out: %d file(s) not durable: %s%s", len(left), ", ".join(names),
+                      " (their staged chunks stay in the spill dir)" if cfg.spill else " (staged data lost; marked broken at next mount)")
+            exit_code = 1
+        else:
+            log.info("drain complete: every file is durable")
+        nursery.cancel_scope.cancel()
+    await meta.close()
+    await backend.aclose()
+    return exit_code
+
+
+async def _describe(meta, ino: int) -> str:
+    try:
+        paths = await meta.paths_of(ino)
+    except AiturboError:
+        paths = []
+    return paths[0] if paths else f"inode {ino}"
+
+
+async def _watch_signals() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("%s received: unmounting and draining", signal.Signals(signum).name)
+            pyfuse3.terminate()
+            break
+
+
+class _Dispatcher:
+    """Answers control-socket requests from the running daemon's state."""
+
+    def __init__(self, cfg, fs, pool, controller, ops, started):
+        self.cfg, self.fs, self.pool, self.controller, self.ops, self.started = cfg, fs, pool, controller, ops, started
+
+    async def __call__(self, request: dict) -> dict:
+        cmd = request.get("cmd")
+        if cmd == "status":
+            return await self._status()
+        if cmd == "drop-cache":
+            return {"ok": True, "freed_bytes": self.pool.drop_clean()}
+        if cmd == "debug-fault":
+            self.ops.faults.arm(str(request.get("handler")), int(request.get("count", 1)))
+            return {"ok": True}
+        return {"ok": False, "error": f"unknown command {cmd!r}"}
+
+    async def _status(self) -> dict:
+        p = self.fs.persister
+        queued = [await _describe(self.fs.meta, ino) for ino in p.queued()[:20]]
+        return {
+            "ok": True,
+            "mountpoint": self.cfg.mountpoint,
+            "backend": self.cfg.backend,
+            "uptime_s": round(time.time() - self.started, 1),
+            "pool": vars(self.pool.stats()),
+            "persist": {
+                "queue": p.queue_length(), "queued": queued, "bytes_uploaded": p.bytes_uploaded,
+                "bytes_fetched": p.bytes_fetched, "files_durable": p.files_durable,
+                "files_broken": p.files_broken, "retries": p.retries,
+            },
+            "groups": self.controller.summary(),
+            "errors": self.fs.errors[-20:],
+        }

@@ -1,0 +1,844 @@
+"""POSIX semantics over the metadata engine, the staging pool and the backend.
+
+``Filesystem`` is what the FUSE adapter calls.  It speaks in domain types
+(``InodeRow``, bytes names, ``AiturboError``) and never imports pyfuse3.
+
+Write path (future 0): ``write`` copies into an open chunk buffer from the
+pool; a chunk that fills up is hashed in a worker thread and sealed into the
+pool while the writer goes on; ``flush``/``fsync``/``release`` seal the rest,
+commit the manifest (ordered chunk hashes, size, state ``staged``) to the
+metadata engine and hand the file to the persister (future 1).
+
+Read path: open slot -> pool (memory, spill) -> backend range verified
+against the chunk hash.  Files imported from the backend without a manifest
+are read by range without verification (there is nothing to verify against).
+"""
+
+import errno
+import logging
+import os
+import stat
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+
+import trio
+
+from .. import chunk
+from .._errors import (
+    AiturboError,
+    BrokenFile,
+    FileTooBig,
+    InvalidArgument,
+    IsADirectory,
+    NameTooLong,
+    NoAttribute,
+    NotFound,
+    NotPermitted,
+)
+from .._limits import (
+    CHUNK_BYTES,
+    FILE_SIZE_BYTES_MAX,
+    HASH_INLINE_BYTES_MAX,
+    NAME_BYTES_MAX,
+    PATH_BYTES_MAX,
+    SMALL_BUFFER_BYTES,
+    SYMLINK_TARGET_BYTES_MAX,
+)
+from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED, InodeRow
+from ..staging import StagingPool
+from . import _xattr
+from ._content import FileContent, Slot
+from ._importer import Importer
+from ._options import VfsOptions
+from ._persist import Persister
+
+log = logging.getLogger(__name__)
+
+READDIR_BATCH = 256
+
+
+@dataclass(frozen=True)
+class CloseReport:
+    """What a committed file tells the control plane (grouped I/O comes later)."""
+
+    ino: int
+    path: str
+    version: int
+    size: int
+    manifest: bytes
+    group: str | None
+    group_size: int | None
+
+
+CloseReporter = Callable[[CloseReport], Awaitable[None]]
+
+
+class Inode:
+    """What the daemon holds in memory for an inode the kernel knows."""
+
+    __slots__ = ("ino", "row", "lookups", "opens", "content", "cached_version", "tags")
+
+    def __init__(self, row: InodeRow):
+        self.ino = row.ino
+        self.row = row
+        self.lookups = 0
+        self.opens = 0
+        self.content: FileContent | None = None
+        self.cached_version = -1  # version whose pages the kernel may hold
+        self.tags: dict[bytes, bytes] | None = None  # user.aiturbo.* cache
+
+
+class Handle:
+    __slots__ = ("fh", "inode", "flags", "writable")
+
+    def __init__(self, fh: int, inode: Inode, flags: int):
+        self.fh = fh
+        self.inode = inode
+        self.flags = flags
+        self.writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+
+
+def _now_ns() -> int:
+    return time.time_ns()
+
+
+def _check_name(name: bytes) -> None:
+    if len(name) > NAME_BYTES_MAX:
+        raise NameTooLong(f"name of {len(name)} bytes exceeds {NAME_BYTES_MAX}")
+    if not name or b"/" in name or name in (b".", b".."):
+        raise InvalidArgument(f"bad name {name!r}")
+
+
+class Filesystem:
+    """The node's POSIX filesystem (see module doc)."""
+
+    def __init__(self, meta, backend, pool: StagingPool, options: VfsOptions, *, reporter: CloseReporter | None = None):
+        self.meta = meta
+        self.backend = backend
+        self.pool = pool
+        self.options = options
+        self._reporter = reporter
+        self._inodes: dict[int, Inode] = {}
+        self._handles: dict[int, Handle] = {}
+        self._next_fh = 1
+        self._seal_send, self._seal_recv = trio.open_memory_channel(1024)
+        self._state_changed: dict[int, trio.Event] = {}
+        self.persister = Persister(self)
+        self.importer = Importer(self)
+        self.errors: list[str] = []
+
+    # =============================================================== lifecycle
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Recover staged files, then run the sealer and the persister."""
+        await self.persister.recover()
+        nursery.start_soon(self._run_sealer)
+        await nursery.start(self.persister.run)
+
+    def record_error(self, message: str) -> None:
+        """Log an operating error and keep it for ``aiturbo status``."""
+        log.error("%s", message)
+        self.errors.append(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {message}")
+        del self.errors[: -100]
+
+    # ================================================================= inodes
+    def _cached(self, ino: int) -> Inode | None:
+        return self._inodes.get(ino)
+
+    async def _inode(self, ino: int) -> Inode:
+        """The in-memory inode, loading its row if needed."""
+        node = self._inodes.get(ino)
+        if node is None:
+            node = Inode(await self.meta.get_inode(ino))
+            self._inodes[ino] = node
+        return node
+
+    def _attr(self, node: Inode) -> InodeRow:
+        row = node.row
+        if node.content is not None and node.content.size != row.size:
+            return replace(row, size=node.content.size)
+        return row
+
+    async def _refresh(self, node: Inode) -> InodeRow:
+        """Re-read the row from the metadata engine (close-to-open)."""
+        row = await self.meta.get_inode(node.ino)
+        if node.content is not None and (node.content.dirty or node.opens):
+            row.size = node.content.size
+            row.mtime_ns = node.row.mtime_ns
+        node.row = row
+        return row
+
+    def _remember(self, row: InodeRow) -> Inode:
+        node = self._inodes.get(row.ino)
+        if node is None:
+            node = self._inodes[row.ino] = Inode(row)
+        else:
+            if node.content is None or not (node.content.dirty or node.opens):
+                node.row = row
+        return node
+
+    async def lookup(self, parent: int, name: bytes) -> InodeRow:
+        """Resolve ``name`` in ``parent`` and count a kernel reference."""
+        if len(name) > NAME_BYTES_MAX:
+            raise NameTooLong(f"name of {len(name)} bytes exceeds {NAME_BYTES_MAX}")
+        if name == b".":
+            row = await self.getattr(parent)
+        elif name == b"..":
+            raise NotFound("'..' is resolved by the kernel")
+        else:
+            await self.importer.refresh(parent)
+            row = await self.meta.lookup(parent, name)
+        node = self._remember(row)
+        node.lookups += 1
+        return self._attr(node)
+
+    async def forget(self, ino: int, count: int) -> None:
+        node = self._inodes.get(ino)
+        if node is None:
+            return
+        node.lookups = max(0, node.lookups - count)
+        await self._maybe_drop(node)
+
+    async def _maybe_drop(self, node: Inode) -> None:
+        """Free an inode nobody references: data of unlinked files goes here."""
+        if node.lookups or node.opens or node.ino == ROOT_INO:
+            return
+        if node.row.nlink == 0:
+            self._drop_content(node)
+            del self._inodes[node.ino]
+            self.persister.enqueue(node.ino)  # deletes backend copies, then the row
+            return
+        content = node.content
+        if content is not None and (content.dirty or self._has_pins(content)):
+            return  # still staged: keep the slots (and their pins) in memory
+        del self._inodes[node.ino]
+
+    def _has_pins(self, content: FileContent) -> bool:
+        return any(s is not None and s.pinned for s in content.slots)
+
+    def _drop_content(self, node: Inode) -> None:
+        content, node.content = node.content, None
+        if content is None:
+            return
+        for i, slot in enumerate(content.slots):
+            self._free_slot(slot)
+            content.slots[i] = None
+
+    def _free_slot(self, slot: Slot | None) -> None:
+        if slot is None:
+            return
+        if slot.buf is not None:
+            buf, slot.buf = slot.buf, None
+            slot.seq += 1  # invalidates a sealer working on it
+            self.pool.release(buf)
+        elif slot.pinned:
+            self.pool.unpin(slot.key)
+            slot.pinned = False
+
+    async def getattr(self, ino: int) -> InodeRow:
+        node = self._inodes.get(ino)
+        if node is not None:
+            if node.content is not None and (node.content.dirty or node.opens):
+                return self._attr(node)
+            return await self._refresh(node)
+        return await self.meta.get_inode(ino)
+
+    async def setattr(
+        self,
+        ino: int,
+        *,
+        fh: int | None = None,
+        size: int | None = None,
+        mode: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        atime_ns: int | None = None,
+        mtime_ns: int | None = None,
+        ctime_ns: int | None = None,
+    ) -> InodeRow:
+        node = await self._inode(ino)
+        now = _now_ns()
+        fields: dict = {}
+        if size is not None:
+            if not stat.S_ISREG(node.row.mode):
+                raise IsADirectory("truncate of a non-regular file") if stat.S_ISDIR(node.row.mode) else InvalidArgument("truncate of a non-regular file")
+            if size > FILE_SIZE_BYTES_MAX:
+                raise FileTooBig(f"size {size} exceeds {FILE_SIZE_BYTES_MAX}")
+            content = await self._content(node)
+            await self._truncate(node, content, size)
+            node.row.mtime_ns = mtime_ns if mtime_ns is not None else now
+            if fh is None and node.opens == 0:
+                await self._commit(node)
+        if mode is not None:
+            fields["mode"] = (node.row.mode & stat.S_IFMT(0o170000)) | (mode & 0o7777)
+        if uid is not None:
+            fields["uid"] = uid
+        if gid is not None:
+            fields["gid"] = gid
+        if atime_ns is not None:
+            fields["atime_ns"] = atime_ns
+        if mtime_ns is not None:
+            fields["mtime_ns"] = mtime_ns
+            if node.content is not None:
+                node.row.mtime_ns = mtime_ns
+        fields["ctime_ns"] = ctime_ns if ctime_ns is not None else now
+        row = await self.meta.set_attrs(ino, **fields)
+        if node.content is not None and (node.content.dirty or node.opens):
+            row.size = node.content.size
+            row.mtime_ns = node.row.mtime_ns
+        node.row = row
+        return self._attr(node)
+
+    # ============================================================== namespace
+    def _creation_ids(self, parent_row: InodeRow, uid: int, gid: int, mode: int) -> tuple[int, int]:
+        if parent_row.mode & stat.S_ISGID:
+            gid = parent_row.gid
+            if stat.S_ISDIR(mode):
+                mode |= stat.S_ISGID
+        return gid, mode
+
+    async def _create_row(self, parent: int, name: bytes, mode: int, uid: int, gid: int, *, rdev: int = 0, target: bytes | None = None) -> Inode:
+        _check_name(name)
+        parent_row = await self.meta.get_inode(parent)
+        await self.importer.refresh(parent)
+        gid, mode = self._creation_ids(parent_row, uid, gid, mode)
+        now = _now_ns()
+        is_reg = stat.S_ISREG(mode)
+        row = InodeRow(
+            ino=0, mode=mode, uid=uid, gid=gid, size=len(target) if target else 0,
+            nlink=1, atime_ns=now, mtime_ns=now, ctime_ns=now, rdev=rdev, target=target,
+            state=STATE_STAGED if is_reg else None, backend_keys=[],
+        )
+        row = await self.meta.create(parent, name, row)
+        node = self._remember(row)
+        node.lookups += 1
+        if is_reg:
+            node.content = FileContent(0)
+            node.content.seq = 1  # a new file is dirty until its (empty) manifest commits
+        return node
+
+    async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int, gid: int) -> InodeRow:
+        node = await self._create_row(parent, name, mode, uid, gid, rdev=rdev)
+        if stat.S_ISREG(mode):
+            await self._commit(node)
+        return self._attr(node)
+
+    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> InodeRow:
+        node = await self._create_row(parent, name, stat.S_IFDIR | (mode & 0o7777), uid, gid)
+        node.row.imported_ns = _now_ns()  # nothing in the backend below a new dir
+        await self.meta.set_attrs(node.ino, imported_ns=node.row.imported_ns)
+        return self._attr(node)
+
+    async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> InodeRow:
+        if len(target) > SYMLINK_TARGET_BYTES_MAX:
+            raise NameTooLong(f"symlink target of {len(target)} bytes exceeds {SYMLINK_TARGET_BYTES_MAX}")
+        node = await self._create_row(parent, name, stat.S_IFLNK | 0o777, uid, gid, target=target)
+        return self._attr(node)
+
+    async def readlink(self, ino: int) -> bytes:
+        row = await self.getattr(ino)
+        if not stat.S_ISLNK(row.mode):
+            raise InvalidArgument("not a symlink")
+        return row.target or b""
+
+    async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int) -> tuple[Handle, InodeRow]:
+        node = await self._create_row(parent, name, stat.S_IFREG | (mode & 0o7777), uid, gid)
+        handle = self._open_handle(node, flags)
+        node.cached_version = node.row.version
+        return handle, self._attr(node)
+
+    async def link(self, ino: int, new_parent: int, new_name: bytes) -> InodeRow:
+        _check_name(new_name)
+        row = await self.meta.link(ino, new_parent, new_name)
+        node = self._remember(row)
+        node.lookups += 1
+        if stat.S_ISREG(row.mode):
+            self.persister.enqueue(ino)  # the backend gets a copy at the new path
+        return self._attr(node)
+
+    async def unlink(self, parent: int, name: bytes) -> None:
+        row = await self.meta.unlink(parent, name)
+        node = self._inodes.get(row.ino)
+        if node is not None:
+            node.row.nlink = row.nlink
+            node.row.ctime_ns = row.ctime_ns
+            await self._maybe_drop(node)
+        if row.nlink > 0 or node is None:
+            self.persister.enqueue(row.ino)
+
+    async def rmdir(self, parent: int, name: bytes) -> None:
+        await self.importer.refresh_named(parent, name)
+        parent_paths = await self.meta.paths_of(parent) if parent != ROOT_INO else [""]
+        row = await self.meta.rmdir(parent, name)
+        node = self._inodes.get(row.ino)
+        if node is not None:
+            node.row.nlink = 0
+        if parent_paths:
+            n = name.decode("utf-8", "surrogateescape")
+            self.persister.enqueue_dir_cleanup(f"{parent_paths[0]}/{n}" if parent_paths[0] else n)
+
+    async def rename(self, parent: int, name: bytes, new_parent: int, new_name: bytes, *, noreplace: bool, exchange: bool) -> None:
+        _check_name(new_name)
+        await self.importer.refresh(new_parent)
+        moved = await self.meta.lookup(parent, name)
+        other = None if noreplace else await self._lookup_or_none(new_parent, new_name)
+        replaced = await self.meta.rename(parent, name, new_parent, new_name, noreplace=noreplace, exchange=exchange)
+        for row in (moved, other):
+            if row is None:
+                continue
+            if stat.S_ISDIR(row.mode):
+                await self.persister.enqueue_tree(row.ino)
+            else:
+                self.persister.enqueue(row.ino)
+        if replaced is not None and not exchange:
+            node = self._inodes.get(replaced.ino)
+            if node is not None:
+                node.row.nlink = replaced.nlink
+                await self._maybe_drop(node)
+            else:
+                self.persister.enqueue(replaced.ino)
+
+    async def _lookup_or_none(self, parent: int, name: bytes) -> InodeRow | None:
+        try:
+            return await self.meta.lookup(parent, name)
+        except NotFound:
+            return None
+
+    async def readdir(self, ino: int, offset: int) -> list[tuple[bytes, InodeRow, int]]:
+        """Entries after ``offset`` (a token from a previous batch)."""
+        if offset == 0:
+            await self.importer.refresh(ino)
+        entries = await self.meta.readdir(ino, offset, READDIR_BATCH)
+        out = []
+        for name, row, token in entries:
+            node = self._inodes.get(row.ino)
+            out.append((name, self._attr(node) if node is not None else row, token))
+        return out
+
+    def note_lookup(self, row: InodeRow) -> None:
+        """readdirplus handed the kernel a reference to ``row``'s inode."""
+        self._remember(row).lookups += 1
+
+    async def statfs(self) -> tuple[int, int]:
+        return await self.meta.stats()
+
+    # ================================================================== xattr
+    async def _tags(self, node: Inode) -> dict[bytes, bytes]:
+        if node.tags is None:
+            tags = {}
+            for name in await self.meta.listxattr(node.ino):
+                if name.startswith(_xattr.PREFIX):
+                    tags[name] = await self.meta.getxattr(node.ino, name)
+            node.tags = tags
+        return node.tags
+
+    async def getxattr(self, ino: int, name: bytes) -> bytes:
+        if name == _xattr.STATE:
+            row = await self.getattr(ino)
+            node = self._inodes.get(ino)
+            if row.state is None:
+                raise NoAttribute("only regular files have a durability state")
+            if node is not None and node.content is not None and node.content.dirty:
+                return STATE_STAGED.encode()
+            return row.state.encode()
+        _xattr.validate_name(name)
+        return await self.meta.getxattr(ino, name)
+
+    async def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
+        try:
+            _xattr.validate_set(name, value)
+        except AiturboError as exc:
+            if isinstance(exc, InvalidArgument) or isinstance(exc, NotPermitted):
+                log.warning("setxattr %s on inode %d refused: %s", name.decode(errors="replace"), ino, exc)
+            raise
+        await self.meta.setxattr(ino, name, value, flags)
+        node = self._inodes.get(ino)
+        if node is not None:
+            node.tags = None
+
+    async def listxattr(self, ino: int) -> list[bytes]:
+        return await self.meta.listxattr(ino)
+
+    async def removexattr(self, ino: int, name: bytes) -> None:
+        if name == _xattr.STATE:
+            raise NotPermitted("user.aiturbo.state is read-only")
+        _xattr.validate_name(name)
+        await self.meta.removexattr(ino, name)
+        node = self._inodes.get(ino)
+        if node is not None:
+            node.tags = None
+
+    # ================================================================ content
+    async def _content(self, node: Inode) -> FileContent:
+        """The file's slots, built from its manifest on first use."""
+        if node.content is None:
+            row = node.row
+            pinned = False
+            node.content = FileContent.from_manifest(row.size, row.manifest, pinned=pinned)
+        return node.content
+
+    def _open_handle(self, node: Inode, flags: int) -> Handle:
+        fh = self._next_fh
+        self._next_fh += 1
+        handle = self._handles[fh] = Handle(fh, node, flags)
+        node.opens += 1
+        return handle
+
+    def handle(self, fh: int) -> Handle:
+        return self._handles[fh]
+
+    async def open(self, ino: int, flags: int) -> tuple[Handle, bool]:
+        """Open ``ino``; returns the handle and whether kernel pages stay valid."""
+        node = await self._inode(ino)
+        if node.opens == 0 and (node.content is None or not node.content.dirty):
+            await self._refresh(node)  # close-to-open: see the latest commit
+        row = node.row
+        if stat.S_ISDIR(row.mode):
+            raise IsADirectory("open of a directory as a file")
+        if row.state == STATE_BROKEN and (flags & os.O_ACCMODE) == os.O_RDONLY:
+            raise BrokenFile(f"inode {ino} is broken: its data was lost before it became durable")
+        content = await self._content(node)
+        if (flags & os.O_ACCMODE) != os.O_RDONLY and row.manifest is None and any(s is not None and s.is_external for s in content.slots):
+            await self._hash_external(node, content)
+        handle = self._open_handle(node, flags)
+        keep = node.cached_version == row.version and not content.dirty
+        node.cached_version = row.version
+        return handle, keep
+
+    async def release(self, fh: int) -> None:
+        handle = self._handles.pop(fh)
+        node = handle.inode
+        try:
+            if handle.writable and node.content is not None and node.content.dirty and node.row.nlink > 0:
+                await self._commit(node)
+        finally:
+            node.opens -= 1
+            await self._maybe_drop(node)
+
+    async def flush(self, fh: int) -> None:
+        """close(): future 0, or future 1 with ``-o sync_close``."""
+        handle = self._handles[fh]
+        node = handle.inode
+        if not handle.writable or node.content is None:
+            return
+        if node.content.dirty and node.row.nlink > 0:
+            await self._commit(node)
+        if self.options.sync_close and node.row.nlink > 0 and node.row.state != STATE_DURABLE:
+            await self.wait_durable(node.ino)
+
+    async def fsync(self, fh: int) -> None:
+        handle = self._handles[fh]
+        node = handle.inode
+        if node.content is None:
+            return
+        if node.content.dirty and node.row.nlink > 0:
+            await self._commit(node)
+        if node.row.nlink > 0 and await self._fsync_durable(node):
+            await self.wait_durable(node.ino)
+
+    async def _fsync_durable(self, node: Inode) -> bool:
+        mode = (await self._tags(node)).get(_xattr.FSYNC)
+        if mode is None:
+            return self.options.fsync_durable
+        return mode == b"durable"
+
+    # ---------------------------------------------------------------- writes
+    async def write(self, fh: int, offset: int, data) -> int:
+        handle = self._handles[fh]
+        node = handle.inode
+        content = node.content
+        length = len(data)
+        if offset + length > FILE_SIZE_BYTES_MAX:
+            raise FileTooBig(f"write past {FILE_SIZE_BYTES_MAX} bytes")
+        view = memoryview(data)
+        for index, start, count, done in chunk.spans(offset, length):
+            slot = content.slot_at(index)
+            end = start + count
+            if slot is None or slot.buf is None or len(slot.buf) < end:
+                slot = await self._writable_slot(node, content, index, end)
+            buf = slot.buf
+            if start > slot.filled:
+                buf[slot.filled : start] = bytes(start - slot.filled)
+            buf[start:end] = view[done : done + count]
+            if end > slot.filled:
+                slot.filled = end
+            slot.seq += 1
+            if end == CHUNK_BYTES and slot.filled == CHUNK_BYTES:
+                self._seal_soon(node, index, slot)
+        if offset + length > content.size:
+            content.size = offset + length
+        content.seq += 1
+        node.row.mtime_ns = _now_ns()
+        return length
+
+    async def _writable_slot(self, node: Inode, content: FileContent, index: int, end: int) -> Slot:
+        """An open slot at ``index`` with room for ``end`` bytes (may wait for memory)."""
+        async with content.lock:
+            content.ensure_slots(index)
+            slot = content.slots[index]
+            if slot is not None and slot.buf is not None and len(slot.buf) >= end:
+                return slot
+            valid = chunk.chunk_length(content.size, index)
+            want = max(end, valid)
+            cap = CHUNK_BYTES if (want > SMALL_BUFFER_BYTES or index > 0) else max(4096, 1 << (want - 1).bit_length())
+            buf = await self.pool.alloc(cap)
+            slot = content.slots[index]  # may have changed while we waited
+            if slot is not None and slot.buf is not None and len(slot.buf) >= end:
+                self.pool.release(buf)
+                return slot
+            try:
+                filled = await self._fill_from(node, content, index, slot, buf, valid)
+            except BaseException:
+                self.pool.release(buf)
+                raise
+            slot = content.slots[index]
+            new = Slot(buf=buf)
+            new.filled = filled
+            content.slots[index] = new
+            self._free_slot(slot)
+            return new
+
+    async def _fill_from(self, node: Inode, content: FileContent, index: int, slot: Slot | None, buf: bytearray, valid: int) -> int:
+        """Copy the current bytes of chunk ``index`` into ``buf``; returns bytes filled."""
+        if slot is None or valid == 0:
+            return 0
+        if slot.buf is not None:
+            n = min(slot.filled, valid)
+            buf[:n] = memoryview(slot.buf)[:n]
+            return n
+        data = await self._read_slot(node, index, slot, valid)
+        buf[: len(data)] = data
+        return len(data)
+
+    async def _truncate(self, node: Inode, content: FileContent, size: int) -> None:
+        if size == content.size:
+            content.seq += 1
+            return
+        keep = chunk.chunk_count(size)
+        if size < content.size:
+            tail = size - ((keep - 1) * CHUNK_BYTES) if keep else 0
+            if keep and tail < CHUNK_BYTES:
+                slot = content.slot_at(keep - 1)
+                if slot is not None and slot.buf is None:
+                    slot = await self._writable_slot(node, content, keep - 1, 0)
+                if slot is not None and slot.filled > tail:
+                    slot.filled = tail
+                    slot.seq += 1
+            for slot in content.slots[keep:]:
+                self._free_slot(slot)
+            del content.slots[keep:]
+        else:
+            last = chunk.chunk_count(content.size) - 1
+            slot = content.slot_at(last) if last >= 0 else None
+            if slot is not None and slot.buf is None and chunk.chunk_length(content.size, last) < CHUNK_BYTES:
+                # the sealed tail chunk grows: its bytes change (zeros appended)
+                await self._writable_slot(node, content, last, 0)
+        content.size = size
+        content.seq += 1
+
+    # ---------------------------------------------------------------- sealing
+    def _seal_soon(self, node: Inode, index: int, slot: Slot) -> None:
+        try:
+            self._seal_send.send_nowait((node, index, slot, slot.seq))
+        except trio.WouldBlock:
+            pass  # sealed at commit instead
+
+    async def _run_sealer(self) -> None:
+        async for node, index, slot, seq in self._seal_recv:
+            content = node.content
+            if content is None or content.slot_at(index) is not slot or slot.seq != seq or slot.buf is None:
+                continue
+            await self._seal(content, index, slot)
+
+    async def _seal(self, content: FileContent, index: int, slot: Slot) -> bool:
+        """Hash an open slot and hand its buffer to the pool; False if it changed meanwhile."""
+        length = chunk.chunk_length(content.size, index)
+        if length > slot.filled:
+            if length > len(slot.buf):
+                return False  # needs a bigger buffer: the caller reallocates
+            slot.buf[slot.filled : length] = bytes(length - slot.filled)
+            slot.filled = length
+        seq = slot.seq
+        view = memoryview(slot.buf)[:length]
+        if length > HASH_INLINE_BYTES_MAX:
+            key = await trio.to_thread.run_sync(chunk.digest, view)
+        else:
+            key = chunk.digest(view)
+        if content.slot_at(index) is not slot or slot.seq != seq or slot.buf is None or chunk.chunk_length(content.size, index) != length:
+            return False
+        buf, slot.buf = slot.buf, None
+        slot.key = key
+        slot.pinned = True
+        self.pool.adopt(key, buf, length)
+        return True
+
+    async def _seal_all(self, node: Inode, content: FileContent) -> None:
+        while True:
+            pending = [(i, s) for i, s in enumerate(content.slots[: chunk.chunk_count(content.size)]) if s is not None and s.buf is not None]
+            if not pending:
+                return
+            for index, slot in pending:
+                if not await self._seal(content, index, slot) and content.slot_at(index) is slot and slot.buf is not None:
+                    if chunk.chunk_length(content.size, index) > len(slot.buf):
+                        await self._writable_slot(node, content, index, chunk.chunk_length(content.size, index))
+
+    async def _commit(self, node: Inode) -> None:
+        """Future 0: seal every chunk and commit the manifest as ``staged``."""
+        content = node.content
+        while content.dirty:
+            seq = content.seq
+            await self._seal_all(node, content)
+            if content.seq != seq:
+                continue
+            # Sealed slots that are not pinned hold chunks the backend already
+            # has (unchanged since the last durable version): the persister
+            # fetches them from there if the pool has evicted them.
+            manifest = content.manifest()
+            row = await self.meta.commit_manifest(
+                node.ino, size=content.size, manifest=manifest, state=STATE_STAGED, mtime_ns=node.row.mtime_ns
+            )
+            content.committed_seq = seq
+            node.row = row
+            self._notify_state(node.ino)
+            self.persister.enqueue(node.ino)
+            await self._report(node, row, manifest)
+
+    async def _report(self, node: Inode, row: InodeRow, manifest: bytes) -> None:
+        if self._reporter is None:
+            return
+        tags = await self._tags(node)
+        paths = await self.meta.paths_of(node.ino)
+        size_tag = tags.get(_xattr.GROUP_SIZE)
+        group = tags.get(_xattr.GROUP)
+        await self._reporter(
+            CloseReport(
+                ino=node.ino, path=paths[0] if paths else "", version=row.version, size=row.size,
+                manifest=manifest, group=group.decode() if group else None,
+                group_size=int(size_tag) if size_tag else None,
+            )
+        )
+
+    # ------------------------------------------------------------------ reads
+    async def read(self, fh: int, offset: int, size: int):
+        handle = self._handles[fh]
+        node = handle.inode
+        content = node.content
+        if node.row.state == STATE_BROKEN and not content.dirty:
+            raise BrokenFile(f"inode {node.ino} is broken")
+        end = min(offset + size, content.size)
+        if offset >= end:
+            return b""
+        pieces = []
+        for index, start, count, _ in chunk.spans(offset, end - offset):
+            slot = content.slot_at(index)
+            if slot is None:
+                pieces.append(bytes(count))
+            elif slot.buf is not None:
+                stop = start + count
+                if stop <= slot.filled:
+                    pieces.append(memoryview(slot.buf)[start:stop])
+                else:
+                    have = memoryview(slot.buf)[start : max(start, slot.filled)]
+                    pieces.append(bytes(have) + bytes(count - len(have)))
+            else:
+                data = await self._read_slot(node, index, slot, chunk.chunk_length(content.size, index))
+                pieces.append(data[start : start + count])
+        if len(pieces) == 1:
+            return pieces[0]
+        return b"".join(pieces)
+
+    async def _read_slot(self, node: Inode, index: int, slot: Slot, length: int):
+        """The bytes of a sealed or external slot (valid until the next await)."""
+        if slot.key is None:
+            return await self._read_external(node, index, length)
+        key = slot.key
+
+        async def fetch() -> bytes:
+            return await self.persister.fetch_chunk(node.ino, index, key, length)
+
+        try:
+            return await self.pool.read(key, fetch)
+        except AiturboError as exc:
+            self.record_error(f"read of inode {node.ino} chunk {index} failed: {exc}")
+            raise BrokenFile(str(exc)) from exc
+
+    async def _read_external(self, node: Inode, index: int, length: int):
+        keys = node.row.backend_keys
+        if not keys:
+            raise BrokenFile(f"inode {node.ino} has no data in the backend")
+        etag = (node.row.backend_etag or "").encode()
+        cache_key = chunk.digest(b"external\0" + keys[0].encode() + b"\0" + etag + b"\0" + str(index).encode())
+
+        async def fetch() -> bytes:
+            data = await self.backend.read_range(keys[0], index * CHUNK_BYTES, length)
+            if len(data) != length:
+                raise BrokenFile(f"{keys[0]} is shorter than expected (changed in the backend?)")
+            return data
+
+        return await self.pool.read(cache_key, fetch)
+
+    async def _hash_external(self, node: Inode, content: FileContent) -> None:
+        """Give an imported file a manifest before its first modification."""
+        keys = []
+        for index, slot in enumerate(content.slots):
+            length = chunk.chunk_length(content.size, index)
+            data = await self._read_external(node, index, length)
+            key = chunk.digest(data)
+            keys.append(key)
+        for index, key in enumerate(keys):
+            content.slots[index] = Slot(key=key)
+        manifest = chunk.pack_manifest(keys)
+        node.row = await self.meta.set_attrs(node.ino, manifest=manifest)
+
+    # ============================================================ durability
+    def _notify_state(self, ino: int) -> None:
+        event = self._state_changed.pop(ino, None)
+        if event is not None:
+            event.set()
+
+    async def on_persisted(self, ino: int, row: InodeRow) -> None:
+        """The persister made version ``row.version`` durable (or broken)."""
+        node = self._inodes.get(ino)
+        if node is not None:
+            if node.content is None or not (node.content.dirty or node.opens):
+                node.row = row
+            else:
+                node.row.state = row.state
+                node.row.version = row.version
+                node.row.backend_keys = row.backend_keys
+                node.row.persisted_version = row.persisted_version
+            content = node.content
+            if content is not None and row.state == STATE_DURABLE and row.manifest is not None:
+                keys = chunk.unpack_manifest(row.manifest)
+                for index, slot in enumerate(content.slots):
+                    if slot is not None and slot.pinned and index < len(keys) and slot.key == keys[index]:
+                        self.pool.unpin(slot.key)
+                        slot.pinned = False
+            if row.state == STATE_BROKEN and content is not None and not content.dirty:
+                content.broken = True
+            await self._maybe_drop(node)
+        self._notify_state(ino)
+
+    def adopt_recovered(self, row: InodeRow) -> None:
+        """After a restart: hold the pins of a staged file recovered from spill."""
+        node = self._inodes.get(row.ino)
+        if node is None:
+            node = self._inodes[row.ino] = Inode(row)
+        node.content = FileContent.from_manifest(row.size, row.manifest, pinned=True)
+
+    async def wait_durable(self, ino: int) -> None:
+        """Block until the committed version of ``ino`` is durable (future 1)."""
+        while True:
+            row = await self.meta.get_inode(ino)
+            if row.state == STATE_BROKEN:
+                raise BrokenFile(f"inode {ino} is broken")
+            if row.nlink == 0:
+                return
+            if row.state == STATE_DURABLE and row.persisted_version == row.version:
+                return
+            event = self._state_changed.setdefault(ino, trio.Event())
+            await event.wait()
+
+    def state_of(self, ino: int) -> str | None:
+        node = self._inodes.get(ino)
+        return None if node is None else node.row.state

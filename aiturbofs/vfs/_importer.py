@@ -1,0 +1,139 @@
+"""Lazy import of objects that already exist in the backend.
+
+A directory is listed in the backend when it is looked up in or read and its
+last import is older than the TTL (``-o import_ttl``).  New objects become
+``durable`` files without a manifest (read by range, hashed on first write);
+prefixes become directories; durable files whose object changed outside the
+mount are refreshed; durable files whose object vanished are removed, unless
+open.  Names that cannot be POSIX names (``..``, too long) are skipped with a
+log line, so a backend key can never escape the mount.
+"""
+
+import logging
+import stat
+import time
+
+import trio
+
+from .._errors import BackendError, Exists, NotFound
+from .._limits import LIST_ENTRIES_MAX, NAME_BYTES_MAX
+from ..meta import ROOT_INO, STATE_DURABLE, InodeRow
+
+log = logging.getLogger(__name__)
+
+
+class Importer:
+    def __init__(self, fs):
+        self.fs = fs
+        self._busy: dict[int, trio.Event] = {}
+
+    async def refresh_named(self, parent: int, name: bytes) -> None:
+        try:
+            row = await self.fs.meta.lookup(parent, name)
+        except NotFound:
+            return
+        await self.refresh(row.ino)
+
+    async def refresh(self, ino: int) -> None:
+        """Import ``ino``'s backend listing if it is a directory older than the TTL."""
+        while ino in self._busy:
+            await self._busy[ino].wait()
+        row = await self.fs.meta.get_inode(ino)
+        if not stat.S_ISDIR(row.mode):
+            return
+        if time.time_ns() - row.imported_ns < self.fs.options.import_ttl_s * 1e9:
+            return
+        done = self._busy[ino] = trio.Event()
+        try:
+            await self._import(row)
+        finally:
+            del self._busy[ino]
+            done.set()
+
+    async def _import(self, dir_row: InodeRow) -> None:
+        meta = self.fs.meta
+        started = time.time_ns()
+        if dir_row.ino == ROOT_INO:
+            prefix = ""
+        else:
+            paths = await meta.paths_of(dir_row.ino)
+            if not paths:
+                return
+            prefix = paths[0]
+        try:
+            infos = await self.fs.backend.list_dir(prefix)
+        except BackendError as exc:
+            log.warning("import of %r from the backend failed: %s", prefix or "/", exc)
+            await meta.set_attrs(dir_row.ino, imported_ns=started)
+            return
+        existing = {}
+        offset = 0
+        while True:
+            batch = await meta.readdir(dir_row.ino, offset, 1024)
+            if not batch:
+                break
+            for name, row, offset in batch:
+                existing[name] = row
+        listed = set()
+        for info in infos[:LIST_ENTRIES_MAX]:
+            name = info.key.rsplit("/", 1)[-1].encode("utf-8", "surrogateescape")
+            if not name or name in (b".", b"..") or b"\0" in name or len(name) > NAME_BYTES_MAX:
+                log.warning("import: skipping backend key %r (not a valid file name)", info.key)
+                continue
+            listed.add(name)
+            row = existing.get(name)
+            if row is None:
+                await self._create(dir_row, name, info)
+            elif row.state == STATE_DURABLE and not info.is_dir:
+                await self._maybe_update(row, info)
+        for name, row in existing.items():
+            if name not in listed and row.state == STATE_DURABLE and row.backend_keys == [self._key(prefix, name)]:
+                await self._remove(dir_row.ino, name, row)
+        await meta.set_attrs(dir_row.ino, imported_ns=started)
+
+    @staticmethod
+    def _key(prefix: str, name: bytes) -> str:
+        n = name.decode("utf-8", "surrogateescape")
+        return f"{prefix}/{n}" if prefix else n
+
+    async def _create(self, dir_row: InodeRow, name: bytes, info) -> None:
+        opts = self.fs.options
+        mtime = info.mtime_ns or time.time_ns()
+        if info.is_dir:
+            row = InodeRow(ino=0, mode=stat.S_IFDIR | 0o755, uid=opts.owner_uid, gid=opts.owner_gid, size=0, nlink=2,
+                           atime_ns=mtime, mtime_ns=mtime, ctime_ns=mtime, backend_keys=[])
+        else:
+            row = InodeRow(ino=0, mode=stat.S_IFREG | 0o644, uid=opts.owner_uid, gid=opts.owner_gid, size=info.size, nlink=1,
+                           atime_ns=mtime, mtime_ns=mtime, ctime_ns=mtime, state=STATE_DURABLE, manifest=None,
+                           backend_keys=[info.key], backend_etag=info.etag, persisted_version=0)
+        try:
+            await self.fs.meta.create(dir_row.ino, name, row)
+        except Exists:
+            pass  # created meanwhile by a writer: the namespace wins
+
+    async def _maybe_update(self, row: InodeRow, info) -> None:
+        if info.etag is None or info.etag == row.backend_etag or row.backend_keys != [info.key]:
+            return
+        node = self.fs._cached(row.ino)
+        if node is not None and (node.opens or (node.content is not None and node.content.dirty)):
+            return
+        log.info("import: %s changed in the backend; refreshing", info.key)
+        if node is not None:
+            self.fs._drop_content(node)
+        new = await self.fs.meta.set_attrs(row.ino, size=info.size, mtime_ns=info.mtime_ns or row.mtime_ns, manifest=None, backend_etag=info.etag)
+        if node is not None:
+            node.row = new
+
+    async def _remove(self, parent: int, name: bytes, row: InodeRow) -> None:
+        node = self.fs._cached(row.ino)
+        if node is not None and node.opens:
+            return
+        log.info("import: %s vanished from the backend; removing it", row.backend_keys[0])
+        try:
+            gone = await self.fs.meta.unlink(parent, name)
+        except NotFound:
+            return
+        if gone.nlink == 0 and node is None:
+            await self.fs.meta.delete_inode(gone.ino)
+        elif node is not None:
+            node.row.nlink = gone.nlink

@@ -1,0 +1,16 @@
+"""What the VFS needs to know of the mount options (a plain value object)."""
+
+from dataclasses import dataclass
+
+from .._limits import DRAIN_TIMEOUT_S_DEFAULT, IMPORT_TTL_S, PERSIST_RETRY_WINDOW_S
+
+
+@dataclass(frozen=True)
+class VfsOptions:
+    fsync_durable: bool = False  # -o fsync=durable
+    sync_close: bool = False  # -o sync_close: close waits for future 1
+    import_ttl_s: float = IMPORT_TTL_S
+    persist_retry_window_s: float = PERSIST_RETRY_WINDOW_S
+    drain_timeout_s: float = DRAIN_TIMEOUT_S_DEFAULT
+    owner_uid: int = 0  # owner of objects imported from the backend
+    owner_gid: int = 0

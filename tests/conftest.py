@@ -1,0 +1,54 @@
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from mounting import Mount
+
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+
+
+def pytest_configure(config):
+    missing = [tool for tool in ("fusermount3",) if shutil.which(tool) is None]
+    if missing or not os.path.exists("/dev/fuse"):
+        raise pytest.UsageError(f"FUSE is needed for the tests: missing {missing or '/dev/fuse'} (apt-get install fuse3)")
+
+
+@pytest.fixture
+def local_backend(tmp_path):
+    d = tmp_path / "backend"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def make_mount(tmp_path):
+    """Factory: make_mount(backend_url=None, **options) -> started Mount; all stopped at teardown."""
+    mounts = []
+
+    def factory(backend: str | None = None, *, name: str = "m", env: dict | None = None, **options) -> Mount:
+        if backend is None:
+            (tmp_path / "backend").mkdir(exist_ok=True)
+            backend = f"file://{tmp_path / 'backend'}"
+        m = Mount(backend, str(tmp_path / f"{name}-mnt"), str(tmp_path / f"{name}-state"), options, env=env)
+        mounts.append(m)
+        return m.start()
+
+    yield factory
+    errors = []
+    for m in mounts:
+        try:
+            m.stop()
+        except Exception as exc:  # noqa: BLE001 - stop the others, then report
+            errors.append(exc)
+            m.kill()
+    if errors:
+        raise errors[0]
+
+
+@pytest.fixture
+def mnt(make_mount):
+    """One mount over a local backend dir with the default options."""
+    return make_mount()

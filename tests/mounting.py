@@ -1,0 +1,112 @@
+"""Start and stop real aiturbofs mounts for tests.
+
+``Mount`` runs ``mount.aiturbo -f`` as a child process on a temp dir and
+waits until the kernel mount is up.  ``stop()`` unmounts (the daemon then
+drains its persist queue and exits) and, whatever happens, kills the process
+and lazily unmounts, so a failing test never leaves a mount behind.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def is_mounted(path: str) -> bool:
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == path for line in f)
+
+
+class Mount:
+    def __init__(self, backend: str, mountpoint: str, state_dir: str, options: dict | None = None, env: dict | None = None):
+        self.backend = backend
+        self.mountpoint = os.path.abspath(mountpoint)
+        self.state_dir = state_dir
+        self.options = {"state_dir": state_dir, "import_ttl": "0.5", **(options or {})}
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self.log_path = os.path.join(os.path.dirname(state_dir.rstrip("/")), os.path.basename(state_dir.rstrip("/")) + ".log")
+
+    def option_string(self) -> str:
+        return ",".join(k if v is True else f"{k}={v}" for k, v in self.options.items() if v is not False)
+
+    def start(self, timeout_s: float = 30.0) -> "Mount":
+        os.makedirs(self.mountpoint, exist_ok=True)
+        cmd = [sys.executable, "-m", "aiturbofs.cli.mount", self.backend, self.mountpoint, "-f", "-o", self.option_string()]
+        env = dict(os.environ, PYTHONPATH=REPO, **(self.env or {}))
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout_s
+        while not is_mounted(self.mountpoint):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mount.aiturbo exited with {self.proc.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"mount did not come up in {timeout_s} s:\n{self.log()}")
+            time.sleep(0.05)
+        return self
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-20000:]
+        except FileNotFoundError:
+            return ""
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.mountpoint, *parts)
+
+    def stop(self, timeout_s: float = 120.0) -> int:
+        """Unmount and wait for the daemon to drain and exit; returns its exit code."""
+        if self.proc is None:
+            return 0
+        try:
+            if is_mounted(self.mountpoint):
+                subprocess.run(["fusermount3", "-u", self.mountpoint], check=False, capture_output=True)
+                if is_mounted(self.mountpoint):
+                    self.proc.send_signal(signal.SIGTERM)
+            return self.proc.wait(timeout=timeout_s)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        """kill -9 the daemon (a crash) and clear the dead mount."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if is_mounted(self.mountpoint):
+            subprocess.run(["fusermount3", "-u", "-z", self.mountpoint], check=False, capture_output=True)
+        if getattr(self, "_log", None):
+            self._log.close()
+            self._log = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def aiturbo(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the ``aiturbo`` CLI of this checkout."""
+    env = dict(os.environ, PYTHONPATH=REPO)
+    return subprocess.run([sys.executable, "-m", "aiturbofs.cli.main", *args], capture_output=True, text=True,
+                          check=check, env=env, timeout=timeout)
+
+
+def state(path: str) -> str:
+    return os.getxattr(path, "user.aiturbo.state").decode()
+
+
+def wait_state(path: str, want: str, timeout_s: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = state(path)
+        if s == want or time.monotonic() > deadline:
+            return s
+        time.sleep(0.05)

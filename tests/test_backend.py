@@ -1,0 +1,645 @@
+"""Tests of aiturbofs.backend.
+
+``BackendConformance`` holds the contract tests; every implementation passes
+them by supplying one fixture, ``target`` (fsspec style).  Implementation-
+specific behaviour (temp files, multipart uploads, outages, URL forms) is
+tested in the subclasses.  Each test runs its own ``trio.run``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import pytest
+import trio
+import trio.testing
+
+from aiturbofs._errors import BackendError, BackendNotFound, ConfigError, TransientBackendError
+from aiturbofs._limits import CHUNK_BYTES, MiB
+from aiturbofs.backend import UPLOAD_TEMP_PREFIX, Backend, check_key, open_backend
+from aiturbofs.backend import _base, _s3
+from s3server import S3Server, free_port, s3_server  # noqa: F401  (s3_server is a fixture)
+
+P = CHUNK_BYTES
+
+
+@dataclass
+class Target:
+    """How to open one backend under test, and how to find what it left behind."""
+
+    url: str
+    options: dict[str, Any] = field(default_factory=dict)
+    leftovers: Callable[[], list[str]] = lambda: []  # temp files, pending multipart uploads
+
+
+def run(target: Target, body: Callable[[Backend], Awaitable[None]]) -> None:
+    async def main() -> None:
+        backend = await open_backend(target.url, target.options)
+        try:
+            await body(backend)
+        finally:
+            await backend.aclose()
+
+    trio.run(main)
+
+
+async def put(backend: Backend, key: str, data: bytes, order: list[int] | None = None):
+    upload = await backend.open_upload(key)
+    for index in order if order is not None else range(math.ceil(len(data) / P)):
+        await upload.write_part(index, data[index * P : (index + 1) * P])
+    return await upload.complete(len(data))
+
+
+async def read_all(backend: Backend, key: str) -> bytes:
+    info = await backend.stat(key)
+    assert info is not None and not info.is_dir
+    return await backend.read_range(key, 0, info.size)
+
+
+async def names(backend: Backend, key: str) -> dict[str, bool]:
+    return {info.key: info.is_dir for info in await backend.list_dir(key)}
+
+
+class BackendConformance:
+    """The contract of ``Backend`` / ``Upload``; subclasses supply ``target``."""
+
+    @pytest.fixture
+    def target(self) -> Target:
+        raise NotImplementedError
+
+    # --- uploads -------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("size", [0, 1, P, 2 * P + P // 2], ids=["empty", "1B", "1part", "2.5parts"])
+    def test_upload_and_read_back(self, target: Target, size: int):
+        data = os.urandom(size)
+
+        async def body(b: Backend):
+            info = await put(b, "dir/obj", data)
+            assert (info.key, info.size, info.is_dir) == ("dir/obj", size, False)
+            assert info.etag
+            assert await b.stat("dir/obj") == info
+            assert await read_all(b, "dir/obj") == data
+
+        run(target, body)
+        assert target.leftovers() == []
+
+    def test_parts_out_of_order_and_concurrent(self, target: Target):
+        data = os.urandom(2 * P + 100)
+
+        async def body(b: Backend):
+            upload = await b.open_upload("ooo")
+            async with trio.open_nursery() as nursery:
+                for index in (2, 0, 1):
+                    nursery.start_soon(upload.write_part, index, memoryview(data)[index * P : (index + 1) * P])
+            await upload.complete(len(data))
+            assert await read_all(b, "ooo") == data
+
+        run(target, body)
+
+    def test_resent_part_last_write_wins(self, target: Target):
+        good = os.urandom(P + 10)
+
+        async def body(b: Backend):
+            upload = await b.open_upload("resend")
+            await upload.write_part(0, bytes(P))  # wrong bytes first
+            await upload.write_part(1, os.urandom(P))  # a longer last part first
+            await upload.write_part(0, good[:P])
+            await upload.write_part(1, good[P:])
+            await upload.complete(len(good))
+            assert await read_all(b, "resend") == good
+
+        run(target, body)
+
+    def test_complete_refuses_missing_or_wrong_parts(self, target: Target):
+        async def body(b: Backend):
+            upload = await b.open_upload("holes")
+            await upload.write_part(0, os.urandom(P))
+            await upload.write_part(2, b"tail")
+            with pytest.raises(BackendError, match="missing parts \\[1\\]"):
+                await upload.complete(2 * P + 4)
+            with pytest.raises(BackendError, match="wrong-length"):
+                await upload.complete(2 * P + 5)
+            await upload.abort()
+            assert await b.stat("holes") is None
+
+        run(target, body)
+        assert target.leftovers() == []
+
+    def test_copy_part_server_side_ranges(self, target: Target):
+        src = os.urandom(3 * P)
+
+        async def body(b: Backend):
+            await put(b, "src", src)
+            upload = await b.open_upload("dst")
+            await upload.copy_part(0, "src", P, P)  # a whole middle chunk
+            await upload.write_part(1, b"x" * P)
+            await upload.copy_part(2, "src", P + 123, 1000)  # a byte range in the middle
+            info = await upload.complete(2 * P + 1000)
+            assert info.size == 2 * P + 1000
+            assert await read_all(b, "dst") == src[P : 2 * P] + b"x" * P + src[P + 123 : P + 1123]
+
+        run(target, body)
+
+    def test_copy_part_source_errors(self, target: Target):
+        async def body(b: Backend):
+            await put(b, "short", b"0123456789")
+            upload = await b.open_upload("dst")
+            with pytest.raises(BackendNotFound):
+                await upload.copy_part(0, "missing", 0, 10)
+            with pytest.raises(BackendError, match="source ends"):
+                await upload.copy_part(0, "short", 5, 10)
+            with pytest.raises(BackendError, match="missing parts \\[0\\]"):
+                await upload.complete(10)  # the failed part does not count
+            await upload.abort()
+
+        run(target, body)
+        assert target.leftovers() == []
+
+    def test_complete_replaces_existing_object(self, target: Target):
+        async def body(b: Backend):
+            old = await put(b, "obj", b"old version, longer")
+            new = await put(b, "obj", b"new")
+            assert new.etag != old.etag
+            assert await read_all(b, "obj") == b"new"
+            assert await names(b, "") == {"obj": False}
+
+        run(target, body)
+
+    def test_abort_leaves_nothing(self, target: Target):
+        async def body(b: Backend):
+            upload = await b.open_upload("d/aborted")
+            await upload.write_part(0, os.urandom(P))
+            await upload.write_part(1, b"x")
+            await upload.abort()
+            await upload.abort()  # idempotent
+            assert await b.stat("d/aborted") is None
+            assert "d/aborted" not in await names(b, "d")
+            with pytest.raises(BackendError, match="aborted"):
+                await upload.write_part(0, b"late")
+
+        run(target, body)
+        assert target.leftovers() == []
+
+    def test_cancelled_part_counts_as_missing(self, target: Target):
+        async def body(b: Backend):
+            upload = await b.open_upload("cancelled")
+            await upload.write_part(0, b"first")
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                await upload.write_part(0, b"again")  # may have written half of it
+            with pytest.raises(BackendError, match="missing parts \\[0\\]"):
+                await upload.complete(5)
+            await upload.write_part(0, b"third")
+            await upload.complete(5)
+            assert await read_all(b, "cancelled") == b"third"
+
+        run(target, body)
+
+    def test_abort_waits_for_parts_in_flight(self, target: Target):
+        async def body(b: Backend):
+            upload = await b.open_upload("racing")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(upload.write_part, 0, os.urandom(P))
+                nursery.start_soon(upload.write_part, 1, os.urandom(P))
+                await trio.testing.wait_all_tasks_blocked()
+                await upload.abort()  # the parts finish first; nothing may land after
+            assert await b.stat("racing") is None
+
+        run(target, body)
+        assert target.leftovers() == []
+
+    def test_abort_after_complete_keeps_object(self, target: Target):
+        async def body(b: Backend):
+            upload = await b.open_upload("kept")
+            await upload.write_part(0, b"data")
+            await upload.complete(4)
+            await upload.abort()
+            assert await read_all(b, "kept") == b"data"
+
+        run(target, body)
+
+    # --- reads and listings -----------------------------------------------------------------
+
+    def test_read_range(self, target: Target):
+        data = os.urandom(1000)
+
+        async def body(b: Backend):
+            await put(b, "r", data)
+            await put(b, "empty", b"")
+            assert await b.read_range("r", 0, 10) == data[:10]
+            assert await b.read_range("r", 500, 100) == data[500:600]
+            assert await b.read_range("r", 990, 100) == data[990:]  # short at EOF only
+            assert await b.read_range("r", 1000, 10) == b""
+            assert await b.read_range("r", 5000, 10) == b""
+            assert await b.read_range("r", 3, 0) == b""
+            assert await b.read_range("empty", 0, 10) == b""
+            with pytest.raises(BackendNotFound):
+                await b.read_range("missing", 0, 10)
+
+        run(target, body)
+
+    def test_list_dir(self, target: Target):
+        async def body(b: Backend):
+            await put(b, "a/b/c.bin", b"c")
+            await put(b, "a/d.bin", b"dd")
+            await put(b, "e.bin", b"eee")
+            assert await names(b, "") == {"a": True, "e.bin": False}
+            assert await names(b, "a") == {"a/b": True, "a/d.bin": False}
+            assert await names(b, "a/b") == {"a/b/c.bin": False}
+            sizes = {info.key: info.size for info in await b.list_dir("a")}
+            assert sizes["a/d.bin"] == 2
+            assert await b.list_dir("missing") == []
+            assert await b.list_dir("a/missing/deeper") == []
+            assert await b.list_dir("e.bin") == []  # an object is not a directory
+
+        run(target, body)
+
+    def test_stat(self, target: Target):
+        async def body(b: Backend):
+            await put(b, "x/y", b"12345")
+            info = await b.stat("x/y")
+            assert (info.size, info.is_dir) == (5, False) and info.mtime_ns > 0
+            assert (await b.stat("x")).is_dir
+            assert (await b.stat("")).is_dir
+            assert await b.stat("x/missing") is None
+            assert await b.stat("x/y/under-a-file") is None
+
+        run(target, body)
+
+    # --- whole-object operations ------------------------------------------------------------
+
+    def test_copy(self, target: Target):
+        async def body(b: Backend):
+            await put(b, "c/src", b"source")
+            await put(b, "c/existing", b"to be replaced")
+            await b.copy("c/src", "new/parent/dst")
+            await b.copy("c/src", "c/existing")
+            await b.copy("c/src", "c/src")
+            for key in ("c/src", "new/parent/dst", "c/existing"):
+                assert await read_all(b, key) == b"source"
+            with pytest.raises(BackendNotFound):
+                await b.copy("c/missing", "c/x")
+
+        run(target, body)
+        assert target.leftovers() == []
+
+    def test_copy_by_parts(self, target: Target, monkeypatch):
+        # Force the part-by-part path used for objects beyond CopyObject's limit.
+        monkeypatch.setattr(_base, "BACKEND_COPY_PART_BYTES", 5 * MiB)
+        monkeypatch.setattr(_s3, "S3_COPY_OBJECT_BYTES_MAX", 1)
+        data = os.urandom(11 * MiB)
+
+        async def body(b: Backend):
+            await put(b, "big", data)
+            await b.copy("big", "big-copy")
+            assert await read_all(b, "big-copy") == data
+
+        run(target, body)
+        assert target.leftovers() == []
+
+    def test_move(self, target: Target):
+        async def body(b: Backend):
+            await put(b, "m/src", b"moving")
+            await b.move("m/src", "elsewhere/deep/dst")
+            assert await b.stat("m/src") is None
+            assert await read_all(b, "elsewhere/deep/dst") == b"moving"
+            await b.move("elsewhere/deep/dst", "elsewhere/deep/dst")  # onto itself keeps it
+            assert await read_all(b, "elsewhere/deep/dst") == b"moving"
+            with pytest.raises(BackendNotFound):
+                await b.move("m/missing", "m/x")
+
+        run(target, body)
+
+    def test_delete(self, target: Target):
+        async def body(b: Backend):
+            await put(b, "del/me", b"x")
+            await b.delete("del/me")
+            assert await b.stat("del/me") is None
+            await b.delete("del/me")  # missing is not an error
+            await b.delete("never/existed")
+
+        run(target, body)
+
+    def test_makedirs_and_remove_dir(self, target: Target):
+        async def body(b: Backend):
+            await b.makedirs("m/n/o")
+            await b.makedirs("m/n/o")  # exists: fine
+            await b.remove_dir("m/n/o")
+            await b.remove_dir("m/n/o")  # missing: fine
+            await put(b, "full/file", b"x")
+            await b.remove_dir("full")  # not empty: left alone
+            await b.remove_dir("")  # the root is never removed
+            assert await read_all(b, "full/file") == b"x"
+
+        run(target, body)
+
+    # --- keys ---------------------------------------------------------------------------------
+
+    @pytest.mark.parametrize(
+        "key", ["..", "../x", "a/../b", "/abs", "a//b", "a/", ".", "a/./b", "x\0y", UPLOAD_TEMP_PREFIX + "x"]
+    )
+    def test_bad_keys_rejected(self, target: Target, key: str):
+        async def body(b: Backend):
+            for call in (
+                lambda: b.stat(key),
+                lambda: b.list_dir(key),
+                lambda: b.read_range(key, 0, 1),
+                lambda: b.open_upload(key),
+                lambda: b.delete(key),
+                lambda: b.copy("ok", key),
+                lambda: b.copy(key, "ok"),
+                lambda: b.move(key, "ok"),
+                lambda: b.makedirs(key),
+                lambda: b.remove_dir(key),
+            ):
+                with pytest.raises(BackendError, match="bad backend key"):
+                    await call()
+
+        run(target, body)
+
+    def test_root_is_not_an_object(self, target: Target):
+        async def body(b: Backend):
+            for call in (lambda: b.open_upload(""), lambda: b.delete(""), lambda: b.read_range("", 0, 1)):
+                with pytest.raises(BackendError):
+                    await call()
+
+        run(target, body)
+
+
+# --- implementations -----------------------------------------------------------------------------
+
+
+def _temp_files(root: str) -> list[str]:
+    return [
+        os.path.join(path, name)
+        for path, _, files in os.walk(root)
+        for name in files
+        if name.startswith(UPLOAD_TEMP_PREFIX)
+    ]
+
+
+class TestLocal(BackendConformance):
+    @pytest.fixture
+    def target(self, tmp_path) -> Target:
+        root = str(tmp_path / "root")
+        return Target(f"file://{root}", leftovers=lambda: _temp_files(root))
+
+    def test_temp_file_is_hidden_and_beside_target(self, target: Target):
+        root = target.url[len("file://") :]
+
+        async def body(b: Backend):
+            upload = await b.open_upload("sub/name.bin")
+            await upload.write_part(0, b"x")
+            (temp,) = _temp_files(root)
+            assert os.path.dirname(temp) == os.path.join(root, "sub")
+            assert await names(b, "sub") == {}
+            await upload.complete(1)
+            assert _temp_files(root) == []
+            assert sorted(os.listdir(os.path.join(root, "sub"))) == ["name.bin"]
+
+        run(target, body)
+
+    def test_long_name_still_fits_beside_it(self, target: Target):
+        async def body(b: Backend):
+            await put(b, "n" * 255, b"long")
+            assert await read_all(b, "n" * 255) == b"long"
+
+        run(target, body)
+
+    def test_root_created_if_parent_exists(self, tmp_path):
+        run(Target(str(tmp_path / "fresh")), lambda b: trio.sleep(0))  # a plain path works too
+        assert oct(os.stat(tmp_path / "fresh").st_mode & 0o777) == oct(0o755 & ~_umask())
+        with pytest.raises(BackendError, match="neither does its parent"):
+            run(Target(f"file://{tmp_path}/no/such/root"), lambda b: trio.sleep(0))
+
+    def test_unknown_option_rejected(self, target: Target):
+        with pytest.raises(ConfigError, match="s3_endpoint"):
+            run(Target(target.url, {"s3_endpoint": "http://x"}), lambda b: trio.sleep(0))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+class TestMemory(BackendConformance):
+    """memory:// through the generic fsspec implementation."""
+
+    @pytest.fixture
+    def target(self, tmp_path):
+        root = f"memory://aiturbo-test-{secrets.token_hex(4)}"
+        yield Target(root, {"upload_tmp_dir": str(tmp_path)}, leftovers=lambda: _temp_files(str(tmp_path)))
+        fsspec.filesystem("memory").rm(root, recursive=True)  # the store is process-wide
+
+    def test_unknown_protocol_is_config_error(self):
+        with pytest.raises(ConfigError, match="nosuchproto"):
+            run(Target("nosuchproto://x"), lambda b: trio.sleep(0))
+
+
+class TestS3(BackendConformance):
+    """moto on loopback; every test gets its own bucket and works under a prefix."""
+
+    @pytest.fixture
+    def target(self, s3_server: S3Server) -> Target:
+        bucket = s3_server.make_bucket(f"t-{secrets.token_hex(6)}")
+
+        def pending_uploads() -> list[str]:
+            listing = s3_server.client().list_multipart_uploads(Bucket=bucket)
+            return [upload["Key"] for upload in listing.get("Uploads", [])]
+
+        return Target(f"s3://{bucket}/pre/fix", {"s3_endpoint": s3_server.endpoint}, leftovers=pending_uploads)
+
+    def test_prefix_maps_keys(self, target: Target, s3_server: S3Server):
+        bucket = target.url.split("/")[2]
+
+        async def body(b: Backend):
+            await put(b, "k", b"v")
+
+        run(target, body)
+        keys = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=bucket)["Contents"]]
+        assert keys == ["pre/fix/k"]
+        whole = Target(f"s3://{bucket}", target.options)
+        run(whole, lambda b: _expect(names(b, "pre"), {"pre/fix": True}))
+
+    def test_complete_recovers_when_its_answer_is_lost(self, target: Target):
+        data = os.urandom(P + 5)
+
+        async def body(b: Backend):
+            real_call = b._call
+
+            async def lossy_call(what, method, **kwargs):
+                result = await real_call(what, method, **kwargs)
+                if method == "complete_multipart_upload" and kwargs["Key"].endswith("lost"):
+                    # Done on the server, but a retry would find the upload gone.
+                    raise BackendNotFound(f"{what}: NoSuchUpload (simulated)")
+                return result
+
+            b._call = lossy_call
+            upload = await b.open_upload("lost")
+            await upload.write_part(0, data[:P])
+            await upload.write_part(1, data[P:])
+            info = await upload.complete(len(data))
+            assert info.etag.endswith("-2")  # the multipart ETag we computed matched the server's
+            assert await read_all(b, "lost") == data
+
+            async def gone_call(what, method, **kwargs):
+                if method == "complete_multipart_upload":
+                    raise BackendNotFound(f"{what}: NoSuchUpload (simulated)")
+                return await real_call(what, method, **kwargs)
+
+            b._call = gone_call
+            upload = await b.open_upload("gone")
+            await upload.write_part(0, data[:P])
+            await upload.write_part(1, data[P:])
+            await put(b, "gone", b"someone else's object")
+            with pytest.raises(BackendNotFound):  # not this upload's object: do not claim success
+                await upload.complete(len(data))
+            await upload.abort()
+            assert await read_all(b, "gone") == b"someone else's object"
+
+        run(target, body)
+
+    def test_list_dir_pages(self, target: Target):
+        async def body(b: Backend):
+            b.list_page_keys = 2
+            for name in ("a", "b", "c", "d/x", "e/y"):
+                await put(b, f"many/{name}", b"x")
+            assert await names(b, "many") == {
+                "many/a": False, "many/b": False, "many/c": False, "many/d": True, "many/e": True
+            }
+
+        run(target, body)
+
+    def test_missing_bucket_is_permanent(self, s3_server: S3Server):
+        with pytest.raises(BackendError, match="no-such-bucket") as caught:
+            run(Target("s3://no-such-bucket", {"s3_endpoint": s3_server.endpoint}), lambda b: trio.sleep(0))
+        assert not isinstance(caught.value, TransientBackendError)
+
+    def test_nothing_listening_is_transient(self):
+        options = {"s3_endpoint": f"http://127.0.0.1:{free_port()}", "s3_connect_timeout": "0.5"}
+        with pytest.raises(TransientBackendError):
+            run(Target("s3://bucket", options), lambda b: trio.sleep(0))
+
+    def test_ca_bundle_does_not_break_plain_http(self, target: Target, monkeypatch):
+        monkeypatch.setenv("AWS_CA_BUNDLE", "/nonexistent/ca-bundle.pem")
+        run(target, lambda b: _expect(names(b, ""), {}))
+
+    def test_outage_is_transient_then_recovers(self):
+        options = {"s3_connect_timeout": "0.5", "call_timeout_s": "10"}
+        with S3Server() as server:
+            server.make_bucket("outage")
+            options["s3_endpoint"] = server.endpoint
+
+            async def body(b: Backend):
+                await put(b, "before", b"x")
+                upload = await b.open_upload("during")
+                server.stop()
+                with pytest.raises(TransientBackendError):
+                    await b.stat("before")
+                with pytest.raises(TransientBackendError):
+                    await upload.write_part(0, os.urandom(P))
+                server.start()  # same port, empty: moto keeps no state
+                server.make_bucket("outage")
+                await put(b, "after", b"y")
+                assert await read_all(b, "after") == b"y"
+
+            run(Target("s3://outage", options), body)
+
+    def test_options_from_strings(self, target: Target):
+        options = {**target.options, "s3_anon": "false", "s3_region": "us-east-1", "call_timeout_s": "30"}
+        run(Target(target.url, options), lambda b: _expect(names(b, ""), {}))
+        with pytest.raises(ConfigError, match="s3_anon"):
+            run(Target(target.url, {**target.options, "s3_anon": "maybe"}), lambda b: trio.sleep(0))
+
+
+async def _expect(awaitable: Awaitable[Any], want: Any) -> None:
+    assert await awaitable == want
+
+
+# --- error mapping, without a server ---------------------------------------------------------
+
+
+def _client_error(code: str, status: int) -> Exception:
+    import botocore.exceptions
+
+    response = {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}
+    return botocore.exceptions.ClientError(response, "PutObject")
+
+
+@pytest.mark.parametrize(
+    "code, status, want",
+    [
+        ("SlowDown", 503, TransientBackendError),
+        ("InternalError", 500, TransientBackendError),
+        ("RequestTimeout", 400, TransientBackendError),
+        ("Throttling", 429, TransientBackendError),
+        ("NoSuchKey", 404, BackendNotFound),
+        ("404", 404, BackendNotFound),
+        ("AccessDenied", 403, BackendError),
+        ("InvalidRequest", 400, BackendError),
+        ("NoSuchBucket", 404, BackendError),
+    ],
+)
+def test_s3_client_errors_mapped(code: str, status: int, want: type):
+    with pytest.raises(BackendError) as caught, _s3._mapped("put 'k'"):
+        raise _client_error(code, status)
+    assert type(caught.value) is want
+    assert "put 'k'" in str(caught.value) and code in str(caught.value)
+
+
+def test_s3_connection_errors_are_transient():
+    import botocore.exceptions as e
+
+    for error in (
+        e.EndpointConnectionError(endpoint_url="http://x"),
+        e.ConnectTimeoutError(endpoint_url="http://x"),
+        e.ReadTimeoutError(endpoint_url="http://x"),
+        e.ConnectionClosedError(endpoint_url="http://x"),
+        ConnectionResetError(),
+        TimeoutError(),
+    ):
+        with pytest.raises(TransientBackendError), _s3._mapped("read 'k'"):
+            raise error
+
+
+def test_local_os_errors_mapped():
+    import errno
+
+    from aiturbofs.backend import _local
+
+    cases = [
+        (OSError(errno.ENOSPC, "No space left on device"), TransientBackendError),
+        (OSError(errno.ESTALE, "Stale file handle"), TransientBackendError),
+        (PermissionError(errno.EACCES, "Permission denied"), BackendError),
+        (FileNotFoundError(errno.ENOENT, "No such file"), BackendNotFound),
+    ]
+    for error, want in cases:
+        with pytest.raises(BackendError) as caught, _local._mapped("write 'k'"):
+            raise error
+        assert type(caught.value) is want
+    assert caught.value.errno == errno.ENOENT
+
+
+# --- keys, without a backend --------------------------------------------------------------------
+
+
+def test_check_key():
+    assert check_key("a/b.c") == "a/b.c"
+    assert check_key("", allow_root=True) == ""
+    assert check_key("..a/b..") == "..a/b.."  # dots inside names are fine
+    for bad in ("", "/a", "a/", "a//b", "..", "a/../b", "x" * 5000):
+        with pytest.raises(BackendError):
+            check_key(bad)
+
+
+def test_open_backend_rejects_bad_urls():
+    for url in ("relative/path", "nonsense"):
+        with pytest.raises(ConfigError):
+            trio.run(open_backend, url, {})

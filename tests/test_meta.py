@@ -1,0 +1,764 @@
+"""Conformance tests of the metadata engines.
+
+``MetaConformance`` holds every test; an engine's test class supplies only
+the fixture ``meta_url`` (a fresh, empty database per test), from which the
+suite builds ``store`` (opened and initialised) and, for the multi-daemon and
+restart tests, more stores on the same database.
+"""
+
+import dataclasses
+import functools
+import os
+import sqlite3
+import stat
+
+import pytest
+import trio
+
+from aiturbofs import _errors as err
+from aiturbofs._limits import (
+    NAME_BYTES_MAX,
+    SYMLINK_TARGET_BYTES_MAX,
+    XATTR_NAME_BYTES_MAX,
+    XATTR_VALUE_BYTES_MAX,
+    XATTRS_PER_INODE_MAX,
+)
+from aiturbofs.meta import (
+    ROOT_INO,
+    STATE_BROKEN,
+    STATE_DURABLE,
+    STATE_PERSISTING,
+    STATE_STAGED,
+    InodeRow,
+    MetaStore,
+    open_meta,
+)
+
+UID, GID = 1000, 1001
+T0 = 1_700_000_000_000_000_000  # a fixed timestamp for rows the tests make
+HASH_A, HASH_B, HOLE = b"\xaa" * 32, b"\xbb" * 32, b"\0" * 32
+
+
+def trio_test(fn):
+    """Run an async test body with trio.run (pytest-trio is not installed)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        return trio.run(functools.partial(fn, *args, **kwargs))
+
+    return run
+
+
+def file_row(mode=0o644, **fields) -> InodeRow:
+    row = InodeRow(0, stat.S_IFREG | mode, UID, GID, 0, 1, T0, T0, T0)
+    return dataclasses.replace(row, **fields)
+
+
+def dir_row(mode=0o755) -> InodeRow:
+    return InodeRow(0, stat.S_IFDIR | mode, UID, GID, 0, 2, T0, T0, T0)
+
+
+def symlink_row(target: bytes) -> InodeRow:
+    return InodeRow(0, stat.S_IFLNK | 0o777, UID, GID, len(target), 1, T0, T0, T0, target=target)
+
+
+async def open_store(url: str) -> MetaStore:
+    store = open_meta(url)
+    await store.init(root_uid=UID, root_gid=GID, root_mode=0o755)
+    return store
+
+
+async def mkdirs(store: MetaStore, path: bytes) -> int:
+    """Create every directory of ``a/b/c`` under the root; the last one's ino."""
+    ino = ROOT_INO
+    for name in path.split(b"/"):
+        ino = (await store.create(ino, name, dir_row())).ino
+    return ino
+
+
+async def names(store: MetaStore, parent: int) -> list[bytes]:
+    return [name for name, _, _ in await store.readdir(parent, 0, 10_000)]
+
+
+class MetaConformance:
+    """Every ``MetaStore`` engine passes these; subclasses supply ``meta_url``."""
+
+    @pytest.fixture
+    def store(self, meta_url):
+        store = trio.run(open_store, meta_url)
+        yield store
+        trio.run(store.close)
+
+    # --- init ----------------------------------------------------------------------
+
+    @trio_test
+    async def test_init_creates_root(self, store):
+        root = await store.get_inode(ROOT_INO)
+        assert stat.S_ISDIR(root.mode) and stat.S_IMODE(root.mode) == 0o755
+        assert (root.uid, root.gid, root.nlink, root.state) == (UID, GID, 2, None)
+        assert await store.readdir(ROOT_INO, 0, 100) == []
+        assert await store.stats() == (1, 0)
+
+    @trio_test
+    async def test_init_again_keeps_data(self, store, meta_url):
+        await store.set_attrs(ROOT_INO, mode=stat.S_IFDIR | 0o700)
+        await store.create(ROOT_INO, b"f", file_row())
+        again = open_meta(meta_url)
+        await again.init(root_uid=0, root_gid=0, root_mode=0o777)
+        try:
+            root = await again.get_inode(ROOT_INO)
+            assert (stat.S_IMODE(root.mode), root.uid) == (0o700, UID)
+            assert await names(again, ROOT_INO) == [b"f"]
+        finally:
+            await again.close()
+
+    # --- create / lookup / get_inode --------------------------------------------------
+
+    @trio_test
+    async def test_create_file_dir_symlink(self, store):
+        f = await store.create(ROOT_INO, b"f.bin", file_row(0o600, ino=99, nlink=7))
+        d = await store.create(ROOT_INO, b"d", dir_row())
+        s = await store.create(ROOT_INO, b"s", symlink_row(b"f.bin"))
+        assert len({f.ino, d.ino, s.ino, ROOT_INO}) == 4
+        assert f.ino != 99 and f.nlink == 1 and f.state == STATE_STAGED
+        assert (f.mode, f.uid, f.gid, f.mtime_ns) == (stat.S_IFREG | 0o600, UID, GID, T0)
+        assert d.nlink == 2 and d.state is None
+        assert s.target == b"f.bin" and s.state is None and stat.S_ISLNK(s.mode)
+        for name, row in [(b"f.bin", f), (b"d", d), (b"s", s)]:
+            assert await store.lookup(ROOT_INO, name) == row
+            assert await store.get_inode(row.ino) == row
+
+    @trio_test
+    async def test_create_keeps_imported_fields(self, store):
+        row = file_row(
+            size=5,
+            state=STATE_DURABLE,
+            backend_keys=["bucket/f"],
+            backend_etag="e1",
+            persisted_version=0,
+        )
+        f = await store.create(ROOT_INO, b"f", row)
+        assert f.manifest is None and f.size == 5 and f.state == STATE_DURABLE
+        assert (f.backend_keys, f.backend_etag, f.persisted_version) == (["bucket/f"], "e1", 0)
+
+    @trio_test
+    async def test_create_updates_parent(self, store):
+        before = await store.get_inode(ROOT_INO)
+        d = await store.create(ROOT_INO, b"d", dir_row())
+        await store.create(d.ino, b"f", file_row())
+        root = await store.get_inode(ROOT_INO)
+        assert root.nlink == 3  # a file does not count, a subdirectory does
+        assert root.mtime_ns >= before.mtime_ns and root.ctime_ns >= before.ctime_ns
+        assert (await store.get_inode(d.ino)).nlink == 2
+        assert (await store.get_inode(d.ino)).mtime_ns > T0
+
+    @trio_test
+    async def test_create_errors(self, store):
+        f = await store.create(ROOT_INO, b"f", file_row())
+        with pytest.raises(err.Exists):
+            await store.create(ROOT_INO, b"f", dir_row())
+        with pytest.raises(err.NotFound):
+            await store.create(12345, b"x", file_row())
+        with pytest.raises(err.NotADirectory):
+            await store.create(f.ino, b"x", file_row())
+        for bad in [b"", b".", b"..", b"a/b", b"a\0b"]:
+            with pytest.raises(err.InvalidArgument):
+                await store.create(ROOT_INO, bad, file_row())
+        with pytest.raises(err.NameTooLong):
+            await store.create(ROOT_INO, b"n" * (NAME_BYTES_MAX + 1), file_row())
+        with pytest.raises(err.NameTooLong):
+            await store.create(ROOT_INO, b"s", symlink_row(b"t" * (SYMLINK_TARGET_BYTES_MAX + 1)))
+        assert await names(store, ROOT_INO) == [b"f"]  # failed creates left nothing
+
+    @trio_test
+    async def test_names_are_arbitrary_bytes(self, store):
+        name = b"\xff\xfe caf\xc3\xa9 \n*?"
+        longest = b"n" * NAME_BYTES_MAX
+        f = await store.create(ROOT_INO, name, file_row())
+        await store.create(ROOT_INO, longest, file_row())
+        assert (await store.lookup(ROOT_INO, name)).ino == f.ino
+        assert sorted(await names(store, ROOT_INO)) == sorted([name, longest])
+
+    @trio_test
+    async def test_lookup_and_get_missing(self, store):
+        with pytest.raises(err.NotFound):
+            await store.lookup(ROOT_INO, b"nope")
+        with pytest.raises(err.NotFound):
+            await store.get_inode(4242)
+
+    # --- readdir -------------------------------------------------------------------------
+
+    @trio_test
+    async def test_readdir_order_tokens_errors(self, store):
+        f = await store.create(ROOT_INO, b"zz", file_row())
+        await store.create(ROOT_INO, b"aa", dir_row())
+        entries = await store.readdir(ROOT_INO, 0, 100)
+        assert [name for name, _, _ in entries] == [b"zz", b"aa"]  # creation order
+        assert entries[0][1] == await store.get_inode(f.ino)
+        tokens = [token for _, _, token in entries]
+        assert tokens[0] > 0 and tokens == sorted(set(tokens))
+        assert await store.readdir(ROOT_INO, tokens[0], 100) == entries[1:]
+        assert await store.readdir(ROOT_INO, tokens[-1], 100) == []
+        assert await store.readdir(ROOT_INO, 0, 0) == []
+        with pytest.raises(err.NotADirectory):
+            await store.readdir(f.ino, 0, 10)
+        with pytest.raises(err.NotFound):
+            await store.readdir(4242, 0, 10)
+
+    @trio_test
+    async def test_readdir_paging_stable_while_changing(self, store):
+        for i in range(40):
+            await store.create(ROOT_INO, b"old%02d" % i, file_row())
+        removed_unread = set()
+        seen, offset, page = [], 0, 0
+        while entries := await store.readdir(ROOT_INO, offset, 7):
+            seen += [name for name, _, _ in entries]
+            offset, page = entries[-1][2], page + 1
+            # Between pages: remove entries already read and not yet read,
+            # add new ones, rename one already read in place.
+            if page == 1:
+                await store.unlink(ROOT_INO, seen[0])
+            if page == 2:
+                await store.rename(ROOT_INO, b"old03", ROOT_INO, b"renamed")
+            if page <= 4:
+                removed_unread.add(b"old%02d" % (39 - page))
+                await store.unlink(ROOT_INO, b"old%02d" % (39 - page))
+                await store.create(ROOT_INO, b"new%d" % page, file_row())
+        assert len(seen) == len(set(seen)), "an entry was returned twice"
+        stayed = {b"old%02d" % i for i in range(40)} - removed_unread
+        assert stayed <= set(seen), "an entry that stayed was skipped"
+        assert not removed_unread & set(seen)
+        assert b"renamed" not in seen  # it kept old03's place, already read
+
+    @trio_test
+    async def test_readdir_keeps_position_of_renamed_entry(self, store):
+        for name in [b"a", b"b", b"c"]:
+            await store.create(ROOT_INO, name, file_row())
+        await store.rename(ROOT_INO, b"b", ROOT_INO, b"B")
+        assert await names(store, ROOT_INO) == [b"a", b"B", b"c"]
+
+    # --- link / unlink / rmdir ------------------------------------------------------------
+
+    @trio_test
+    async def test_link(self, store):
+        d = await store.create(ROOT_INO, b"d", dir_row())
+        f = await store.create(ROOT_INO, b"f", file_row())
+        linked = await store.link(f.ino, d.ino, b"g")
+        assert linked.ino == f.ino and linked.nlink == 2 and linked.ctime_ns > T0
+        assert (await store.lookup(d.ino, b"g")).ino == f.ino
+        assert (await store.get_inode(d.ino)).nlink == 2  # a file link is no subdir
+        with pytest.raises(err.NotPermitted):
+            await store.link(d.ino, ROOT_INO, b"d2")
+        with pytest.raises(err.Exists):
+            await store.link(f.ino, d.ino, b"g")
+        with pytest.raises(err.NotFound):
+            await store.link(4242, d.ino, b"x")
+        with pytest.raises(err.NotADirectory):
+            await store.link(f.ino, f.ino, b"x")
+        with pytest.raises(err.InvalidArgument):
+            await store.link(f.ino, d.ino, b"a/b")
+
+    @trio_test
+    async def test_link_of_unlinked_inode_fails(self, store):
+        f = await store.create(ROOT_INO, b"f", file_row())
+        await store.unlink(ROOT_INO, b"f")
+        with pytest.raises(err.NotFound):
+            await store.link(f.ino, ROOT_INO, b"again")
+
+    @trio_test
+    async def test_unlink_keeps_row_until_delete(self, store):
+        f = await store.create(ROOT_INO, b"f", file_row())
+        await store.link(f.ino, ROOT_INO, b"g")
+        assert (await store.unlink(ROOT_INO, b"f")).nlink == 1
+        gone = await store.unlink(ROOT_INO, b"g")
+        assert gone.ino == f.ino and gone.nlink == 0
+        assert (await store.get_inode(f.ino)).nlink == 0
+        assert [row.ino for row in await store.orphans()] == [f.ino]
+        assert await store.paths_of(f.ino) == []
+        with pytest.raises(err.NotFound):
+            await store.lookup(ROOT_INO, b"g")
+        await store.delete_inode(f.ino)
+        assert await store.orphans() == []
+        with pytest.raises(err.NotFound):
+            await store.get_inode(f.ino)
+
+    @trio_test
+    async def test_unlink_errors(self, store):
+        f = await store.create(ROOT_INO, b"f", file_row())
+        await store.create(ROOT_INO, b"d", dir_row())
+        with pytest.raises(err.IsADirectory):
+            await store.unlink(ROOT_INO, b"d")
+        with pytest.raises(err.NotFound):
+            await store.unlink(ROOT_INO, b"nope")
+        with pytest.raises(err.NotADirectory):
+            await store.unlink(f.ino, b"x")
+
+    @trio_test
+    async def test_rmdir(self, store):
+        d = await store.create(ROOT_INO, b"d", dir_row())
+        sub = await store.create(d.ino, b"sub", dir_row())
+        await store.setxattr(sub.ino, b"user.x", b"1")
+        with pytest.raises(err.NotEmpty):
+            await store.rmdir(ROOT_INO, b"d")
+        removed = await store.rmdir(d.ino, b"sub")
+        assert removed.ino == sub.ino and removed.nlink == 0
+        assert (await store.get_inode(d.ino)).nlink == 2
+        with pytest.raises(err.NotFound):
+            await store.get_inode(sub.ino)
+        await store.rmdir(ROOT_INO, b"d")
+        assert (await store.get_inode(ROOT_INO)).nlink == 2
+        assert await store.orphans() == []  # rmdir leaves no row behind
+        assert await store.stats() == (1, 0)
+
+    @trio_test
+    async def test_rmdir_errors(self, store):
+        f = await store.create(ROOT_INO, b"f", file_row())
+        with pytest.raises(err.NotADirectory):
+            await store.rmdir(ROOT_INO, b"f")
+        with pytest.raises(err.NotFound):
+            await store.rmdir(ROOT_INO, b"nope")
+        with pytest.raises(err.NotADirectory):
+            await store.rmdir(f.ino, b"x")
+
+    # --- rename -------------------------------------------------------------------------------
+
+    @trio_test
+    async def test_rename_file_across_dirs(self, store):
+        a = await store.create(ROOT_INO, b"a", dir_row())
+        b = await store.create(ROOT_INO, b"b", dir_row())
+        f = await store.create(a.ino, b"f", file_row())
+        await store.setxattr(f.ino, b"user.k", b"v")
+        assert await store.rename(a.ino, b"f", b.ino, b"g") is None
+        assert await names(store, a.ino) == [] and await names(store, b.ino) == [b"g"]
+        moved = await store.lookup(b.ino, b"g")
+        assert moved.ino == f.ino and moved.ctime_ns > T0 and moved.nlink == 1
+        assert await store.getxattr(f.ino, b"user.k") == b"v"
+        assert [(await store.get_inode(d)).nlink for d in (a.ino, b.ino)] == [2, 2]
+        assert await store.paths_of(f.ino) == ["b/g"]
+
+    @trio_test
+    async def test_rename_dir_moves_nlink(self, store):
+        a = await store.create(ROOT_INO, b"a", dir_row())
+        b = await store.create(ROOT_INO, b"b", dir_row())
+        d = await store.create(a.ino, b"d", dir_row())
+        await store.create(d.ino, b"inner", file_row())
+        assert (await store.get_inode(a.ino)).nlink == 3
+        await store.rename(a.ino, b"d", b.ino, b"d")
+        assert (await store.get_inode(a.ino)).nlink == 2
+        assert (await store.get_inode(b.ino)).nlink == 3
+        assert (await store.get_inode(d.ino)).nlink == 2
+        assert await store.paths_of((await store.lookup(d.ino, b"inner")).ino) == ["b/d/inner"]
+        await store.rename(b.ino, b"d", b.ino, b"e")  # same parent: counts unchanged
+        assert (await store.get_inode(b.ino)).nlink == 3
+
+    @trio_test
+    async def test_rename_over_file(self, store):
+        src = await store.create(ROOT_INO, b"src", file_row())
+        dst = await store.create(ROOT_INO, b"dst", file_row())
+        replaced = await store.rename(ROOT_INO, b"src", ROOT_INO, b"dst")
+        assert replaced.ino == dst.ino and replaced.nlink == 0
+        assert (await store.lookup(ROOT_INO, b"dst")).ino == src.ino
+        assert await names(store, ROOT_INO) == [b"dst"]
+        assert (await store.get_inode(dst.ino)).nlink == 0  # kept like unlink
+        assert [row.ino for row in await store.orphans()] == [dst.ino]
+
+    @trio_test
+    async def test_rename_over_hard_linked_file(self, store):
+        src = await store.create(ROOT_INO, b"src", file_row())
+        dst = await store.create(ROOT_INO, b"dst", file_row())
+        await store.link(dst.ino, ROOT_INO, b"other")
+        replaced = await store.rename(ROOT_INO, b"src", ROOT_INO, b"dst")
+        assert replaced.ino == dst.ino and replaced.nlink == 1
+        assert await store.paths_of(dst.ino) == ["other"]
+        assert await store.paths_of(src.ino) == ["dst"]
+
+    @trio_test
+    async def test_rename_over_empty_dir(self, store):
+        a = await store.create(ROOT_INO, b"a", dir_row())
+        d = await store.create(ROOT_INO, b"d", dir_row())
+        target = await store.create(a.ino, b"t", dir_row())
+        await store.setxattr(target.ino, b"user.x", b"1")
+        assert (await store.get_inode(a.ino)).nlink == 3
+        replaced = await store.rename(ROOT_INO, b"d", a.ino, b"t")
+        assert replaced.ino == target.ino and replaced.nlink == 0
+        with pytest.raises(err.NotFound):
+            await store.get_inode(target.ino)  # an empty dir is deleted at once
+        assert (await store.lookup(a.ino, b"t")).ino == d.ino
+        assert (await store.get_inode(a.ino)).nlink == 3  # lost t, gained d
+        assert (await store.get_inode(ROOT_INO)).nlink == 3  # lost d
+        assert await store.orphans() == []
+
+    @trio_test
+    async def test_rename_over_nonempty_dir(self, store):
+        await store.create(ROOT_INO, b"d", dir_row())
+        t = await store.create(ROOT_INO, b"t", dir_row())
+        await store.create(t.ino, b"f", file_row())
+        with pytest.raises(err.NotEmpty):
+            await store.rename(ROOT_INO, b"d", ROOT_INO, b"t")
+        assert await names(store, ROOT_INO) == [b"d", b"t"]
+
+    @trio_test
+    async def test_rename_type_mismatch(self, store):
+        await store.create(ROOT_INO, b"d", dir_row())
+        await store.create(ROOT_INO, b"f", file_row())
+        with pytest.raises(err.NotADirectory):
+            await store.rename(ROOT_INO, b"d", ROOT_INO, b"f")
+        with pytest.raises(err.IsADirectory):
+            await store.rename(ROOT_INO, b"f", ROOT_INO, b"d")
+
+    @trio_test
+    async def test_rename_into_own_subtree(self, store):
+        c = await mkdirs(store, b"a/b/c")
+        a = (await store.lookup(ROOT_INO, b"a")).ino
+        b = (await store.lookup(a, b"b")).ino
+        for target in (a, b, c):
+            with pytest.raises(err.InvalidArgument):
+                await store.rename(ROOT_INO, b"a", target, b"x")
+        with pytest.raises(err.InvalidArgument):
+            await store.rename(a, b"b", c, b"x")
+        await store.rename(b, b"c", ROOT_INO, b"c")  # up the tree is fine
+        assert await store.paths_of(c) == ["c"]
+        assert (await store.get_inode(b)).nlink == 2
+
+    @trio_test
+    async def test_rename_noreplace(self, store):
+        await store.create(ROOT_INO, b"a", file_row())
+        await store.create(ROOT_INO, b"b", file_row())
+        with pytest.raises(err.Exists):
+            await store.rename(ROOT_INO, b"a", ROOT_INO, b"b", noreplace=True)
+        assert await store.rename(ROOT_INO, b"a", ROOT_INO, b"c", noreplace=True) is None
+        assert await names(store, ROOT_INO) == [b"c", b"b"]
+
+    @trio_test
+    async def test_rename_exchange(self, store):
+        a = await store.create(ROOT_INO, b"a", dir_row())
+        f = await store.create(ROOT_INO, b"f", file_row())
+        d = await store.create(a.ino, b"d", dir_row())
+        assert await store.rename(ROOT_INO, b"f", a.ino, b"d", exchange=True) is None
+        assert (await store.lookup(ROOT_INO, b"f")).ino == d.ino
+        assert (await store.lookup(a.ino, b"d")).ino == f.ino
+        assert (await store.get_inode(ROOT_INO)).nlink == 4  # a and (now) d
+        assert (await store.get_inode(a.ino)).nlink == 2
+        assert await store.paths_of(d.ino) == ["f"]
+        with pytest.raises(err.NotFound):
+            await store.rename(ROOT_INO, b"f", ROOT_INO, b"nope", exchange=True)
+        with pytest.raises(err.InvalidArgument):
+            await store.rename(ROOT_INO, b"f", ROOT_INO, b"a", exchange=True, noreplace=True)
+
+    @trio_test
+    async def test_rename_exchange_with_own_ancestor(self, store):
+        a = await store.create(ROOT_INO, b"a", dir_row())
+        await store.create(a.ino, b"b", dir_row())
+        with pytest.raises(err.InvalidArgument):
+            await store.rename(ROOT_INO, b"a", a.ino, b"b", exchange=True)
+
+    @trio_test
+    async def test_rename_noops_and_missing(self, store):
+        f = await store.create(ROOT_INO, b"f", file_row())
+        await store.link(f.ino, ROOT_INO, b"g")
+        assert await store.rename(ROOT_INO, b"f", ROOT_INO, b"f") is None
+        assert await store.rename(ROOT_INO, b"f", ROOT_INO, b"g") is None  # same inode
+        assert await names(store, ROOT_INO) == [b"f", b"g"]
+        assert (await store.get_inode(f.ino)).nlink == 2
+        with pytest.raises(err.NotFound):
+            await store.rename(ROOT_INO, b"nope", ROOT_INO, b"x")
+        with pytest.raises(err.NotFound):
+            await store.rename(ROOT_INO, b"f", 4242, b"x")
+
+    # --- attributes, manifests, states ---------------------------------------------------------
+
+    @trio_test
+    async def test_set_attrs(self, store):
+        f = await store.create(ROOT_INO, b"f", file_row())
+        row = await store.set_attrs(
+            f.ino, mode=stat.S_IFREG | 0o600, uid=7, size=123, atime_ns=5, backend_keys=["k1", "k2"]
+        )
+        assert (row.mode, row.uid, row.size, row.atime_ns) == (stat.S_IFREG | 0o600, 7, 123, 5)
+        assert row.backend_keys == ["k1", "k2"]
+        assert await store.get_inode(f.ino) == row
+        assert await store.set_attrs(f.ino) == row
+        with pytest.raises(ValueError):
+            await store.set_attrs(f.ino, ino=5)
+        with pytest.raises(ValueError):
+            await store.set_attrs(f.ino, colour="red")
+        with pytest.raises(err.NotFound):
+            await store.set_attrs(4242, size=1)
+
+    @trio_test
+    async def test_commit_manifest(self, store):
+        f = await store.create(ROOT_INO, b"f", file_row())
+        manifest = HASH_A + HOLE + HASH_B
+        row = await store.commit_manifest(
+            f.ino, size=20 << 20, manifest=manifest, state=STATE_STAGED, mtime_ns=T0 + 9
+        )
+        assert (row.version, row.size, row.manifest) == (1, 20 << 20, manifest)
+        assert (row.mtime_ns, row.ctime_ns) == (T0 + 9, T0 + 9)
+        assert await store.get_inode(f.ino) == row
+        again = await store.commit_manifest(f.ino, size=0, manifest=None, state=STATE_STAGED)
+        assert (again.version, again.manifest, again.mtime_ns) == (2, None, T0 + 9)
+        with pytest.raises(err.NotFound):
+            await store.commit_manifest(4242, size=0, manifest=b"", state=STATE_STAGED)
+        with pytest.raises(ValueError):
+            await store.commit_manifest(f.ino, size=1, manifest=b"x" * 31, state=STATE_STAGED)
+        with pytest.raises(ValueError):
+            await store.commit_manifest(f.ino, size=1, manifest=b"", state="lost")
+
+    @trio_test
+    async def test_set_state_compare_and_set(self, store):
+        f = await store.create(ROOT_INO, b"f", file_row())
+        v1 = (await store.commit_manifest(f.ino, size=1, manifest=HASH_A, state=STATE_STAGED)).version
+        assert await store.set_state(f.ino, STATE_PERSISTING, if_version=v1)
+        v2 = (await store.commit_manifest(f.ino, size=2, manifest=HASH_B, state=STATE_STAGED)).version
+        # The upload of v1 finishes after v2 was committed: it must not win.
+        assert not await store.set_state(
+            f.ino, STATE_DURABLE, if_version=v1, backend_keys=["f"], persisted_version=v1
+        )
+        row = await store.get_inode(f.ino)
+        assert (row.state, row.backend_keys, row.persisted_version) == (STATE_STAGED, [], -1)
+        assert await store.set_state(
+            f.ino, STATE_DURABLE, if_version=v2, backend_keys=["f"], persisted_version=v2, backend_etag="e"
+        )
+        row = await store.get_inode(f.ino)
+        assert (row.state, row.backend_keys, row.persisted_version, row.backend_etag) == (
+            STATE_DURABLE, ["f"], v2, "e"
+        )
+        assert row.version == v2  # set_state never moves the version
+        assert await store.set_state(f.ino, STATE_BROKEN)  # unconditional
+        assert (await store.get_inode(f.ino)).state == STATE_BROKEN
+        with pytest.raises(err.NotFound):
+            await store.set_state(4242, STATE_DURABLE)
+        with pytest.raises(err.NotFound):
+            await store.set_state(4242, STATE_DURABLE, if_version=0)
+        with pytest.raises(ValueError):
+            await store.set_state(f.ino, STATE_DURABLE, version=9)
+        with pytest.raises(ValueError):
+            await store.set_state(f.ino, "gone")
+
+    @trio_test
+    async def test_inodes_in_states(self, store):
+        rows = {}
+        for name, state in [(b"s", STATE_STAGED), (b"p", STATE_PERSISTING), (b"d", STATE_DURABLE)]:
+            rows[state] = await store.create(ROOT_INO, name, file_row(state=state))
+        await store.create(ROOT_INO, b"dir", dir_row())
+        found = await store.inodes_in_states([STATE_STAGED, STATE_PERSISTING])
+        assert [row.ino for row in found] == [rows[STATE_STAGED].ino, rows[STATE_PERSISTING].ino]
+        assert await store.inodes_in_states([STATE_BROKEN]) == []
+        assert await store.inodes_in_states([]) == []
+
+    # --- paths_of -------------------------------------------------------------------------------------
+
+    @trio_test
+    async def test_paths_of_nested_and_hard_links(self, store):
+        c = await mkdirs(store, b"a/b/c")
+        x = await mkdirs(store, b"x")
+        f = await store.create(c, b"f.bin", file_row())
+        await store.link(f.ino, x, b"g.bin")
+        await store.link(f.ino, ROOT_INO, b"top")
+        assert await store.paths_of(f.ino) == ["a/b/c/f.bin", "x/g.bin", "top"]
+        assert await store.paths_of(c) == ["a/b/c"]
+        assert await store.paths_of(ROOT_INO) == [""]
+        assert await store.paths_of(4242) == []
+        await store.rename(ROOT_INO, b"a", x, b"A")
+        assert await store.paths_of(f.ino) == ["x/A/b/c/f.bin", "x/g.bin", "top"]
+
+    @trio_test
+    async def test_paths_of_decodes_like_os(self, store):
+        d = await store.create(ROOT_INO, b"\xff", dir_row())
+        f = await store.create(d.ino, "é".encode(), file_row())
+        assert await store.paths_of(f.ino) == [os.fsdecode(b"\xff") + "/é"]
+
+    # --- orphans / delete_inode / stats --------------------------------------------------------------
+
+    @trio_test
+    async def test_delete_inode(self, store):
+        f = await store.create(ROOT_INO, b"f", file_row())
+        await store.setxattr(f.ino, b"user.x", b"1")
+        with pytest.raises(ValueError):
+            await store.delete_inode(f.ino)  # still linked
+        with pytest.raises(ValueError):
+            await store.delete_inode(ROOT_INO)
+        await store.unlink(ROOT_INO, b"f")
+        await store.delete_inode(f.ino)
+        await store.delete_inode(f.ino)  # idempotent
+        with pytest.raises(err.NotFound):
+            await store.getxattr(f.ino, b"user.x")
+        assert await store.stats() == (1, 0)
+
+    @trio_test
+    async def test_stats(self, store):
+        d = await store.create(ROOT_INO, b"d", dir_row())
+        await store.set_attrs(d.ino, size=4096)  # a directory's size is not data
+        f = await store.create(d.ino, b"f", file_row(size=100))
+        await store.create(ROOT_INO, b"g", file_row(size=23))
+        await store.create(ROOT_INO, b"s", symlink_row(b"d/f"))
+        assert await store.stats() == (5, 123)
+        await store.commit_manifest(f.ino, size=1000, manifest=HASH_A, state=STATE_STAGED)
+        assert await store.stats() == (5, 1023)
+
+    # --- xattrs --------------------------------------------------------------------------------------------
+
+    @trio_test
+    async def test_xattr_roundtrip(self, store):
+        f = await store.create(ROOT_INO, b"f", file_row())
+        assert await store.listxattr(f.ino) == []
+        await store.setxattr(f.ino, b"user.b", b"\0binary\xff")
+        await store.setxattr(f.ino, b"user.a", b"")
+        assert await store.getxattr(f.ino, b"user.b") == b"\0binary\xff"
+        assert await store.getxattr(f.ino, b"user.a") == b""
+        assert await store.listxattr(f.ino) == [b"user.a", b"user.b"]
+        await store.setxattr(f.ino, b"user.a", b"new")
+        assert await store.getxattr(f.ino, b"user.a") == b"new"
+        assert (await store.get_inode(f.ino)).ctime_ns > T0
+        await store.removexattr(f.ino, b"user.a")
+        assert await store.listxattr(f.ino) == [b"user.b"]
+        with pytest.raises(err.NoAttribute):
+            await store.getxattr(f.ino, b"user.a")
+        with pytest.raises(err.NoAttribute):
+            await store.removexattr(f.ino, b"user.a")
+
+    @trio_test
+    async def test_xattr_flags(self, store):
+        f = await store.create(ROOT_INO, b"f", file_row())
+        with pytest.raises(err.NoAttribute):
+            await store.setxattr(f.ino, b"user.k", b"1", os.XATTR_REPLACE)
+        await store.setxattr(f.ino, b"user.k", b"1", os.XATTR_CREATE)
+        with pytest.raises(err.Exists):
+            await store.setxattr(f.ino, b"user.k", b"2", os.XATTR_CREATE)
+        await store.setxattr(f.ino, b"user.k", b"3", os.XATTR_REPLACE)
+        assert await store.getxattr(f.ino, b"user.k") == b"3"
+        with pytest.raises(err.InvalidArgument):
+            await store.setxattr(f.ino, b"user.k", b"4", os.XATTR_CREATE | os.XATTR_REPLACE)
+
+    @trio_test
+    async def test_xattr_limits_and_missing_inode(self, store):
+        f = await store.create(ROOT_INO, b"f", file_row())
+        await store.setxattr(f.ino, b"n" * XATTR_NAME_BYTES_MAX, b"v" * XATTR_VALUE_BYTES_MAX)
+        with pytest.raises(err.OutOfRange):
+            await store.setxattr(f.ino, b"user.big", b"v" * (XATTR_VALUE_BYTES_MAX + 1))
+        with pytest.raises(err.OutOfRange):
+            await store.setxattr(f.ino, b"n" * (XATTR_NAME_BYTES_MAX + 1), b"")
+        with pytest.raises(err.InvalidArgument):
+            await store.setxattr(f.ino, b"", b"")
+        for call in (
+            store.getxattr(4242, b"user.x"),
+            store.setxattr(4242, b"user.x", b""),
+            store.listxattr(4242),
+            store.removexattr(4242, b"user.x"),
+        ):
+            with pytest.raises(err.NotFound):
+                await call
+
+    @trio_test
+    async def test_xattr_count_limit(self, store):
+        f = await store.create(ROOT_INO, b"f", file_row())
+        for i in range(XATTRS_PER_INODE_MAX):
+            await store.setxattr(f.ino, b"user.%d" % i, b"")
+        with pytest.raises(err.OutOfRange):
+            await store.setxattr(f.ino, b"user.one-too-many", b"")
+        await store.setxattr(f.ino, b"user.0", b"replacing is fine")
+
+    @trio_test
+    async def test_xattr_inheritance(self, store):
+        ckpt = await store.create(ROOT_INO, b"ckpt", dir_row())
+        await store.setxattr(ckpt.ino, b"user.aiturbo.group", b"job7")
+        await store.setxattr(ckpt.ino, b"user.aiturbo.group.size", b"8")
+        await store.setxattr(ckpt.ino, b"user.aiturbo.state", b"durable")
+        await store.setxattr(ckpt.ino, b"user.other", b"not inherited")
+        step = await store.create(ckpt.ino, b"step1", dir_row())
+        shard = await store.create(step.ino, b"shard0", file_row())
+        for child in (step, shard):  # grandchildren inherit through the child
+            assert await store.listxattr(child.ino) == [b"user.aiturbo.group", b"user.aiturbo.group.size"]
+            assert await store.getxattr(child.ino, b"user.aiturbo.group") == b"job7"
+        link = await store.create(ckpt.ino, b"link", symlink_row(b"step1"))
+        assert await store.listxattr(link.ino) == []  # Linux has no user.* on symlinks
+        plain = await store.create(ckpt.ino, b"plain", file_row(), inherit_xattr_prefix=None)
+        assert await store.listxattr(plain.ino) == []
+        custom = await store.create(ckpt.ino, b"custom", file_row(), inherit_xattr_prefix=b"user.")
+        assert b"user.other" in await store.listxattr(custom.ino)
+        assert b"user.aiturbo.state" not in await store.listxattr(custom.ino)
+        await store.setxattr(ckpt.ino, b"user.aiturbo.group", b"job8")
+        assert await store.getxattr(shard.ino, b"user.aiturbo.group") == b"job7"  # copied, not linked
+
+    # --- several stores, restarts -----------------------------------------------------------------------
+
+    @trio_test
+    async def test_persists_across_reopen(self, store, meta_url):
+        d = await store.create(ROOT_INO, b"d", dir_row())
+        f = await store.create(d.ino, b"f", file_row())
+        await store.commit_manifest(f.ino, size=9, manifest=HASH_A, state=STATE_STAGED)
+        await store.setxattr(d.ino, b"user.aiturbo.group", b"g")
+        gone = await store.create(ROOT_INO, b"gone", file_row())
+        await store.unlink(ROOT_INO, b"gone")
+        await store.delete_inode(gone.ino)
+        orphan = await store.create(ROOT_INO, b"orphan", file_row())
+        await store.unlink(ROOT_INO, b"orphan")
+        await store.close()
+        await store.close()  # idempotent
+        reopened = await open_store(meta_url)
+        try:
+            row = await reopened.lookup(d.ino, b"f")
+            assert (row.ino, row.version, row.manifest, row.size) == (f.ino, 1, HASH_A, 9)
+            assert await reopened.getxattr(d.ino, b"user.aiturbo.group") == b"g"
+            assert [r.ino for r in await reopened.orphans()] == [orphan.ino]
+            fresh = await reopened.create(ROOT_INO, b"fresh", file_row())
+            assert fresh.ino > orphan.ino > gone.ino  # inode numbers are never reused
+        finally:
+            await reopened.close()
+
+    @trio_test
+    async def test_two_stores_share_one_database(self, store, meta_url):
+        other = await open_store(meta_url)
+        try:
+            f = await store.create(ROOT_INO, b"f", file_row())
+            assert (await other.lookup(ROOT_INO, b"f")).ino == f.ino
+            row = await other.commit_manifest(f.ino, size=1, manifest=HASH_B, state=STATE_STAGED)
+            assert (await store.get_inode(f.ino)).version == row.version == 1
+            await store.setxattr(f.ino, b"user.k", b"v")
+            assert await other.getxattr(f.ino, b"user.k") == b"v"
+
+            async def create_many(s: MetaStore, prefix: bytes) -> None:
+                for i in range(25):
+                    await s.create(ROOT_INO, prefix + b"%d" % i, file_row())
+
+            async with trio.open_nursery() as nursery:  # two daemons writing at once
+                nursery.start_soon(create_many, store, b"a")
+                nursery.start_soon(create_many, other, b"b")
+            assert len(await names(store, ROOT_INO)) == 51
+            assert len({row.ino for _, row, _ in await other.readdir(ROOT_INO, 0, 100)}) == 51
+        finally:
+            await other.close()
+
+
+class TestSQLite(MetaConformance):
+    @pytest.fixture
+    def meta_url(self, tmp_path):
+        return f"sqlite://{tmp_path}/meta.db"
+
+    def test_refuses_newer_schema(self, store, meta_url, tmp_path):
+        with sqlite3.connect(tmp_path / "meta.db") as conn:
+            conn.execute("UPDATE meta_schema SET version = version + 1")
+        conn.close()
+        with pytest.raises(err.ConfigError):
+            trio.run(open_store, meta_url)
+
+    @trio_test
+    async def test_too_many_links(self, store, monkeypatch):
+        from aiturbofs.meta import _sql
+
+        monkeypatch.setattr(_sql, "LINKS_PER_INODE_MAX", 3)
+        f = await store.create(ROOT_INO, b"f0", file_row())
+        await store.link(f.ino, ROOT_INO, b"f1")
+        await store.link(f.ino, ROOT_INO, b"f2")
+        with pytest.raises(err.TooManyLinks):
+            await store.link(f.ino, ROOT_INO, b"f3")
+
+    def test_uses_wal(self, store, tmp_path):
+        with sqlite3.connect(tmp_path / "meta.db") as conn:
+            assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        conn.close()
+
+
+@pytest.mark.parametrize("url", ["sqlite://relative.db", "sqlite:/x.db", "mysql://h/db", "/plain/path"])
+def test_open_meta_rejects_bad_urls(url):
+    with pytest.raises(err.ConfigError):
+        open_meta(url)
