@@ -1,0 +1,169 @@
+"""The staging pool and spill store, without FUSE."""
+
+import os
+
+import pytest
+import trio
+
+from aiturbofs import chunk
+from aiturbofs._errors import IntegrityError
+from aiturbofs._limits import CHUNK_BYTES
+from aiturbofs.staging import SpillStore, StagingPool
+
+
+def run(fn, *args):
+    return trio.run(fn, *args)
+
+
+def _chunk(fill: int) -> tuple[bytes, bytearray]:
+    data = bytearray([fill]) * CHUNK_BYTES
+    return chunk.digest(data), data
+
+
+async def _sealed(pool: StagingPool, fill: int) -> bytes:
+    buf = await pool.alloc(CHUNK_BYTES)
+    buf[:] = bytes([fill]) * CHUNK_BYTES
+    key = chunk.digest(buf)
+    pool.adopt(key, buf, CHUNK_BYTES)
+    return key
+
+
+def test_dedup_shares_one_buffer(tmp_path):
+    async def main():
+        pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+        k1 = await _sealed(pool, 7)
+        k2 = await _sealed(pool, 7)
+        assert k1 == k2
+        st = pool.stats()
+        assert st.dirty_bytes == CHUNK_BYTES and st.pinned_chunks == 1
+        pool.unpin(k1)
+        assert pool.pinned(k1)  # one reference left
+        pool.unpin(k1)
+        assert pool.stats().clean_bytes == CHUNK_BYTES
+
+    run(main)
+
+
+def test_clean_chunks_are_evicted_for_writers(tmp_path):
+    async def main():
+        pool = StagingPool(2 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+        a = await _sealed(pool, 1)
+        b = await _sealed(pool, 2)
+        pool.unpin(a)
+        pool.unpin(b)
+        with trio.fail_after(1):
+            await pool.alloc(CHUNK_BYTES)  # must not wait: clean data is evictable
+        assert pool.used_bytes <= pool.budget_bytes
+
+    run(main)
+
+
+def test_pinned_chunks_spill_instead_of_being_dropped(tmp_path):
+    async def main():
+        spill = SpillStore(str(tmp_path / "spill"))
+        pool = StagingPool(2 * CHUNK_BYTES, spill, eager_spill=True)
+        a = await _sealed(pool, 1)
+        b = await _sealed(pool, 2)
+        with trio.fail_after(5):
+            buf = await pool.alloc(CHUNK_BYTES)
+        assert a in spill or b in spill
+        assert pool.pinned(a) and pool.pinned(b)
+        pool.release(buf)
+        for key, fill in ((a, 1), (b, 2)):
+            view = await pool.read(key, fetch=None)
+            assert bytes(view[:10]) == bytes([fill]) * 10
+
+    run(main)
+
+
+def test_writer_waits_for_persist_without_spill_option(tmp_path):
+    async def main():
+        pool = StagingPool(2 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+        a = await _sealed(pool, 1)
+        await _sealed(pool, 2)
+        got = []
+
+        async def writer():
+            got.append(await pool.alloc(CHUNK_BYTES))
+
+        async with trio.open_nursery() as n:
+            n.start_soon(writer)
+            await trio.sleep(0.5)
+            assert not got, "the writer must wait while every byte is dirty"
+            pool.unpin(a)  # "persisted": a becomes clean and evictable
+            pool._notify_freed()
+        assert got and len(got[0]) == CHUNK_BYTES
+
+    run(main)
+
+
+def test_durable_chunk_leaves_the_spill_dir(tmp_path):
+    async def main():
+        spill = SpillStore(str(tmp_path / "spill"))
+        pool = StagingPool(4 * CHUNK_BYTES, spill, eager_spill=True)
+        async with trio.open_nursery() as n:
+            n.start_soon(pool.run_spiller)
+            a = await _sealed(pool, 3)
+            with trio.fail_after(5):
+                while a not in spill:
+                    await trio.sleep(0.01)
+            pool.unpin(a)
+            assert a not in spill and not os.listdir(spill.directory)
+            n.cancel_scope.cancel()
+
+    run(main)
+
+
+def test_concurrent_misses_fetch_once(tmp_path):
+    async def main():
+        pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+        key, data = _chunk(9)
+        calls = []
+
+        async def fetch():
+            calls.append(1)
+            await trio.sleep(0.1)
+            return bytes(data)
+
+        results = []
+
+        async def reader():
+            results.append(bytes((await pool.read(key, fetch))[:4]))
+
+        async with trio.open_nursery() as n:
+            for _ in range(5):
+                n.start_soon(reader)
+        assert len(calls) == 1 and results == [bytes([9]) * 4] * 5
+
+    run(main)
+
+
+def test_corrupt_spill_file_is_detected(tmp_path):
+    async def main():
+        spill = SpillStore(str(tmp_path / "spill"))
+        key, data = _chunk(5)
+        await spill.write(key, data)
+        path = os.path.join(spill.directory, key.hex())
+        with open(path, "r+b") as f:
+            f.seek(12345)
+            f.write(b"\x00")
+        with pytest.raises(IntegrityError):
+            await spill.read(key)
+        assert key not in spill and not os.path.exists(path)
+
+    run(main)
+
+
+def test_spill_store_survives_restart_and_drops_torn_writes(tmp_path):
+    async def main():
+        d = str(tmp_path / "spill")
+        spill = SpillStore(d)
+        key, data = _chunk(4)
+        await spill.write(key, data)
+        with open(os.path.join(d, "ab" * 32 + ".tmp"), "wb") as f:
+            f.write(b"torn")
+        again = SpillStore(d)
+        assert key in again and len(again.keys()) == 1
+        assert await again.read(key) == bytes(data)
+
+    run(main)
