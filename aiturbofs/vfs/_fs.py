@@ -707,9 +707,11 @@ class Filesystem:
         if self._reporter is None:
             return
         tags = await self._tags(node)
+        group = tags.get(_xattr.GROUP)
+        if group is None:
+            return  # ungrouped files need no control-plane round
         paths = await self.meta.paths_of(node.ino)
         size_tag = tags.get(_xattr.GROUP_SIZE)
-        group = tags.get(_xattr.GROUP)
         await self._reporter(
             CloseReport(
                 ino=node.ino, path=paths[0] if paths else "", version=row.version, size=row.size,
