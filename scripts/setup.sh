@@ -19,3 +19,7 @@ if [ "${1:-}" = "--test" ]; then
 else
     python3 -m pip install -q --disable-pip-version-check -e .
 fi
+# mount(8) and fstab look for the helper in /sbin
+scripts_dir=$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
+ln -sf "$scripts_dir/mount.aiturbo" /sbin/mount.aiturbo
+ln -sf "$scripts_dir/aiturbo" /usr/local/bin/aiturbo 2>/dev/null || true

@@ -136,6 +136,7 @@ async def _main(cfg: NodeConfig, state_dir: str, ready: ReadyPipe) -> int:
     async with trio.open_nursery() as nursery:
         await fs.start(nursery)
         nursery.start_soon(pool.run_spiller)
+        nursery.start_soon(pool.run_warmer)
         try:
             pyfuse3.init(ops, cfg.mountpoint, _fuse_options(cfg))
         except RuntimeError as exc:

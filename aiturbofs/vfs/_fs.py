@@ -652,6 +652,8 @@ class Filesystem:
 
     async def _seal(self, content: FileContent, index: int, slot: Slot) -> bool:
         """Hash an open slot and hand its buffer to the pool; False if it changed meanwhile."""
+        if slot.buf is None:
+            return slot.key is not None  # sealed meanwhile by the other sealer
         length = chunk.chunk_length(content.size, index)
         if length > slot.filled:
             if length > len(slot.buf):

@@ -1,0 +1,877 @@
+"""POSIX behaviour of a real aiturbofs mount, compared with what a local
+filesystem does, and the backend layout the persister leaves behind.
+
+After each significant scenario the mount is stopped (which drains the
+persist queue) and ``verify_persisted`` checks that the backend directory
+holds the natural layout with exactly the expected bytes and no upload
+leftovers, then mounts the same backend with a NEW state dir (everything is
+imported from the backend) and checks it shows the same tree and bytes.
+
+What the backend is not expected to hold (object-store semantics): symlinks,
+empty directories, modes/owners/times and xattrs.  Those live in the
+metadata engine only, so ``verify_persisted`` leaves them out.
+"""
+
+import ctypes
+import errno
+import mmap
+import os
+import random
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mounting import aiturbo, state, wait_state
+
+MiB = 1 << 20
+CHUNK = 8 * MiB
+UPLOAD_TEMP = b".aiturbo-upload."
+
+AT_FDCWD = -100
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+
+
+# ----------------------------------------------------------------- helpers
+def tree(root, *, with_links: bool = True) -> dict:
+    """relpath (bytes) -> file bytes | ("dir",) | ("link", target)."""
+    root = os.fsencode(str(root))
+    out = {}
+    stack = [b""]
+    while stack:
+        rel = stack.pop()
+        with os.scandir(os.path.join(root, rel) if rel else root) as it:
+            for e in it:
+                path = os.path.join(rel, e.name) if rel else e.name
+                st = e.stat(follow_symlinks=False)
+                if stat.S_ISLNK(st.st_mode):
+                    if with_links:
+                        out[path] = ("link", os.readlink(e.path))
+                elif stat.S_ISDIR(st.st_mode):
+                    out[path] = ("dir",)
+                    stack.append(path)
+                else:
+                    with open(e.path, "rb") as f:
+                        out[path] = f.read()
+    return out
+
+
+def files_of(t: dict) -> dict:
+    return {k: v for k, v in t.items() if isinstance(v, bytes)}
+
+
+def dirs_of(t: dict) -> set:
+    return {k for k, v in t.items() if v == ("dir",)}
+
+
+def ancestors(paths) -> set:
+    out = set()
+    for p in paths:
+        d = os.path.dirname(p)
+        while d:
+            out.add(d)
+            d = os.path.dirname(d)
+    return out
+
+
+def describe_diff(want: dict, got: dict) -> str:
+    lines = []
+    for k in sorted(set(want) | set(got)):
+        a, b = want.get(k), got.get(k)
+        if a != b:
+            show = lambda v: "absent" if v is None else (f"{len(v)} bytes" if isinstance(v, bytes) else str(v))  # noqa: E731
+            lines.append(f"  {k!r}: want {show(a)}, got {show(b)}")
+    return "\n".join(lines[:40])
+
+
+_fresh_count = [0]
+
+
+def verify_persisted(make_mount, m, tmp_path, snapshot: dict | None = None, *, keep_fresh: bool = False):
+    """Stop ``m``; check the backend layout; check a fresh import shows it.
+
+    ``snapshot`` is the tree the mount showed (taken here if None).  Returns
+    the fresh mount if ``keep_fresh``.
+    """
+    if snapshot is None:
+        snapshot = tree(m.mountpoint)
+    rc = m.stop()
+    assert rc == 0, f"daemon exit code {rc}:\n{m.log()}"
+    assert "BUG" not in m.log() and "Traceback" not in m.log(), m.log()
+    backend = tree(tmp_path / "backend")
+    leftovers = [k for k in backend if os.path.basename(k).startswith(UPLOAD_TEMP)]
+    assert not leftovers, f"upload leftovers in the backend: {leftovers}"
+    assert not any(isinstance(v, tuple) and v[0] == "link" for v in backend.values())
+    want_files = files_of(snapshot)
+    got_files = files_of(backend)
+    assert got_files == want_files, "backend files differ from the mount:\n" + describe_diff(want_files, got_files)
+    # Every directory holding a file exists; no directory the namespace
+    # does not have (e.g. the old name of a renamed directory).
+    assert ancestors(want_files) <= dirs_of(backend)
+    ghosts = dirs_of(backend) - dirs_of(snapshot)
+    assert not ghosts, f"backend directories that are not in the namespace: {sorted(ghosts)}"
+    _fresh_count[0] += 1
+    fresh = make_mount(name=f"fresh{_fresh_count[0]}")
+    try:
+        seen = tree(fresh.mountpoint)
+        assert seen == backend, "fresh import differs from the backend:\n" + describe_diff(backend, seen)
+    finally:
+        if not keep_fresh:
+            assert fresh.stop() == 0, fresh.log()
+    return fresh if keep_fresh else None
+
+
+def write_file(path, data: bytes, mode: str = "wb") -> None:
+    with open(path, mode) as f:
+        f.write(data)
+
+
+def read_file(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def err_of(fn, *args, **kwargs) -> int:
+    try:
+        fn(*args, **kwargs)
+    except OSError as exc:
+        return exc.errno
+    raise AssertionError(f"{getattr(fn, '__name__', fn)}{args} did not fail")
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def renameat2(old: str, new: str, flags: int) -> None:
+    fn = _libc.renameat2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(AT_FDCWD, os.fsencode(old), AT_FDCWD, os.fsencode(new), flags) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), old)
+
+
+def rand_bytes(rng: random.Random, n: int) -> bytes:
+    return rng.randbytes(n)
+
+
+# ------------------------------------------------- create/read/write/truncate
+def test_write_read_truncate_across_chunks(make_mount, tmp_path):
+    m = make_mount()
+    rng = random.Random(1)
+    p = m.path("t.bin")
+    model = bytearray(rand_bytes(rng, CHUNK + MiB + 123))  # crosses the 8 MiB boundary
+    write_file(p, model)
+    assert os.stat(p).st_size == len(model)
+    assert read_file(p) == model
+
+    # shrink into the first chunk, by path (file not open)
+    os.truncate(p, CHUNK - 10)
+    del model[CHUNK - 10 :]
+    assert os.stat(p).st_size == CHUNK - 10
+    assert read_file(p) == model
+
+    # grow across the boundary through an fd: the new range reads as zeros
+    with open(p, "r+b") as f:
+        os.ftruncate(f.fileno(), 2 * CHUNK + 5)
+        model.extend(bytes(2 * CHUNK + 5 - len(model)))
+        assert os.fstat(f.fileno()).st_size == len(model)
+        f.seek(CHUNK - 3)
+        assert f.read(10) == bytes(10)
+        # write into the hole across the boundary, then read back
+        os.pwrite(f.fileno(), b"X" * 7, CHUNK - 2)
+        model[CHUNK - 2 : CHUNK + 5] = b"X" * 7
+    assert read_file(p) == model
+
+    # shrink exactly to the boundary, then to zero, then grow sparse
+    os.truncate(p, CHUNK)
+    del model[CHUNK:]
+    assert read_file(p) == model
+    with open(p, "r+b") as f:
+        f.truncate(0)
+        assert os.fstat(f.fileno()).st_size == 0
+        os.pwrite(f.fileno(), b"tail", 3 * CHUNK + 100)  # chunks 0..2 are holes
+    model = bytearray(3 * CHUNK + 100) + b"tail"
+    assert os.stat(p).st_size == len(model)
+    got = read_file(p)
+    assert got == model
+    assert wait_state(p, "durable") == "durable"
+
+    # a sparse file written with seek+write (holes in the middle)
+    q = m.path("sparse.bin")
+    with open(q, "wb") as f:
+        f.write(b"A" * 100)
+        f.seek(2 * CHUNK + 17)
+        f.write(b"B" * 100)
+    sparse = b"A" * 100 + bytes(2 * CHUNK + 17 - 100) + b"B" * 100
+    assert read_file(q) == sparse
+    # an empty file
+    write_file(m.path("empty"), b"")
+    assert os.stat(m.path("empty")).st_size == 0
+    verify_persisted(make_mount, m, tmp_path)
+
+
+def test_truncate_of_durable_file_and_reopen(make_mount, tmp_path):
+    """Shrink/grow a file whose chunks were already persisted (sealed slots)."""
+    m = make_mount()
+    rng = random.Random(2)
+    p = m.path("d.bin")
+    data = bytearray(rand_bytes(rng, 2 * CHUNK + 3 * MiB))
+    write_file(p, data)
+    assert wait_state(p, "durable") == "durable"
+    aiturbo("drop-cache", m.mountpoint)  # chunks must now come back from the backend
+    os.truncate(p, CHUNK + 5)
+    del data[CHUNK + 5 :]
+    assert read_file(p) == data
+    os.truncate(p, 2 * CHUNK)
+    data.extend(bytes(2 * CHUNK - len(data)))
+    assert read_file(p) == data
+    with open(p, "r+b") as f:
+        f.seek(CHUNK + 1)
+        f.write(b"mid")
+        data[CHUNK + 1 : CHUNK + 4] = b"mid"
+    assert read_file(p) == data
+    assert wait_state(p, "durable") == "durable"
+    verify_persisted(make_mount, m, tmp_path)
+
+
+def test_o_append(make_mount, tmp_path):
+    m = make_mount()
+    p = m.path("log.txt")
+    write_file(p, b"start\n")
+    fd = os.open(p, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, b"one\n")
+        os.lseek(fd, 0, os.SEEK_SET)  # O_APPEND ignores the position
+        os.write(fd, b"two\n")
+        os.pwrite(fd, b"three\n", 0) if sys.platform != "linux" else os.write(fd, b"three\n")
+    finally:
+        os.close(fd)
+    # a second appender after another writer grew the file
+    with open(p, "ab") as f:
+        f.write(b"x" * (CHUNK + 1))
+    with open(p, "ab") as f:
+        f.write(b"end\n")
+    want = b"start\none\ntwo\nthree\n" + b"x" * (CHUNK + 1) + b"end\n"
+    assert read_file(p) == want
+    assert os.stat(p).st_size == len(want)
+    verify_persisted(make_mount, m, tmp_path)
+
+
+def test_o_direct_aligned_writes(make_mount, tmp_path):
+    m = make_mount()
+    p = m.path("direct.bin")
+    rng = random.Random(3)
+    block = 1 * MiB
+    total = CHUNK + 2 * block  # crosses a chunk boundary
+    want = bytearray()
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    try:
+        buf = mmap.mmap(-1, block)  # page-aligned memory, as O_DIRECT needs
+        for _ in range(total // block):
+            piece = rand_bytes(rng, block)
+            buf[:] = piece
+            assert os.write(fd, buf) == block
+            want += piece
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert os.stat(p).st_size == total
+    assert read_file(p) == want
+    # read back through O_DIRECT too, into aligned memory
+    fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+    try:
+        buf = mmap.mmap(-1, block)
+        got = bytearray()
+        while True:
+            n = os.readv(fd, [buf])
+            if n == 0:
+                break
+            got += buf[:n]
+    finally:
+        os.close(fd)
+    assert got == want
+    verify_persisted(make_mount, m, tmp_path)
+
+
+# ------------------------------------------------------------- directories
+def test_mkdir_rmdir_errors(mnt):
+    d = mnt.path("d")
+    os.mkdir(d)
+    assert stat.S_ISDIR(os.stat(d).st_mode)
+    assert err_of(os.mkdir, d) == errno.EEXIST
+    write_file(mnt.path("d", "f"), b"x")
+    assert err_of(os.rmdir, d) == errno.ENOTEMPTY
+    assert err_of(os.rmdir, mnt.path("d", "f")) == errno.ENOTDIR
+    assert err_of(os.mkdir, mnt.path("d", "f", "sub")) == errno.ENOTDIR
+    assert err_of(open, mnt.path("d", "f", "x"), "wb") == errno.ENOTDIR
+    assert err_of(os.unlink, d) == errno.EISDIR
+    assert err_of(open, d, "wb") == errno.EISDIR
+    assert err_of(os.listdir, mnt.path("d", "f")) == errno.ENOTDIR
+    assert err_of(os.rmdir, mnt.path("nope")) == errno.ENOENT
+    assert err_of(os.stat, mnt.path("nope")) == errno.ENOENT
+    # a directory over a file and a file over a directory
+    os.mkdir(mnt.path("d2"))
+    assert err_of(os.rename, mnt.path("d2"), mnt.path("d", "f")) == errno.ENOTDIR
+    assert err_of(os.rename, mnt.path("d", "f"), mnt.path("d2")) == errno.EISDIR
+    assert err_of(os.rename, d, mnt.path("d", "inside")) == errno.EINVAL
+    nlink_before = os.stat(mnt.path()).st_nlink
+    os.mkdir(mnt.path("d3"))
+    assert os.stat(mnt.path()).st_nlink == nlink_before + 1  # ".." of the new dir
+    os.rmdir(mnt.path("d3"))
+    assert os.stat(mnt.path()).st_nlink == nlink_before
+    os.unlink(mnt.path("d", "f"))
+    os.rmdir(d)
+    assert not os.path.exists(d)
+    assert sorted(os.listdir(mnt.path())) == ["d2"]
+
+
+ODD_NAMES = [
+    b"with space", b"tab\there", b"new\nline", b"\xff\xfe-not-utf8", "ümlaut-日本".encode(),
+    b"-leading-dash", b".hidden", b"..dots..", b"back\\slash", b"quote'\"", b"star*?[x]",
+    b"%percent%2F", b"x" * 255,
+]
+
+
+def test_readdir_many_and_odd_names(make_mount, tmp_path):
+    m = make_mount()
+    big = os.fsencode(m.path("big"))
+    os.mkdir(big)
+    names = {b"f%05d" % i for i in range(2000)}
+    for i, n in enumerate(sorted(names)):
+        fd = os.open(os.path.join(big, n), os.O_WRONLY | os.O_CREAT, 0o644)
+        if i % 100 == 0:
+            os.write(fd, n)
+        os.close(fd)
+    listed = os.listdir(big)
+    assert len(listed) == len(set(listed)) == 2000
+    assert set(listed) == names
+    # scandir with stat (readdirplus) agrees
+    sizes = {e.name: e.stat().st_size for e in os.scandir(big)}
+    assert sum(sizes.values()) == 20 * 6
+    odd = os.fsencode(m.path("odd"))
+    os.mkdir(odd)
+    for n in ODD_NAMES:
+        write_file(os.path.join(odd, n), n)
+    assert set(os.listdir(odd)) == set(ODD_NAMES)
+    for n in ODD_NAMES:
+        assert read_file(os.path.join(odd, n)) == n
+    # removing half while listing keeps the rest listed exactly once
+    for n in sorted(names)[::2]:
+        os.unlink(os.path.join(big, n))
+    assert set(os.listdir(big)) == set(sorted(names)[1::2])
+    verify_persisted(make_mount, m, tmp_path)
+
+
+def test_name_too_long(mnt):
+    ok = "n" * 255
+    long = "n" * 256
+    write_file(mnt.path(ok), b"ok")
+    assert read_file(mnt.path(ok)) == b"ok"
+    assert err_of(open, mnt.path(long), "wb") == errno.ENAMETOOLONG
+    assert err_of(os.stat, mnt.path(long)) == errno.ENAMETOOLONG
+    assert err_of(os.mkdir, mnt.path(long)) == errno.ENAMETOOLONG
+    assert err_of(os.symlink, "t", mnt.path(long)) == errno.ENAMETOOLONG
+    assert err_of(os.rename, mnt.path(ok), mnt.path(long)) == errno.ENAMETOOLONG
+    assert err_of(os.link, mnt.path(ok), mnt.path(long)) == errno.ENAMETOOLONG
+    assert os.listdir(mnt.path()) == [ok]
+
+
+# ----------------------------------------------------------------- unlink
+def test_unlink_open_file(make_mount, tmp_path):
+    m = make_mount()
+    rng = random.Random(4)
+    p = m.path("gone.bin")
+    data = rand_bytes(rng, CHUNK + 4096)
+    write_file(p, data)
+    keep = m.path("keep.bin")
+    write_file(keep, b"keep")
+    f = open(p, "rb")
+    try:
+        os.unlink(p)
+        assert not os.path.exists(p)
+        assert "gone.bin" not in os.listdir(m.path())
+        assert os.fstat(f.fileno()).st_nlink == 0
+        assert f.read() == data  # data still readable through the open fd
+        f.seek(CHUNK - 10)
+        assert f.read(20) == data[CHUNK - 10 : CHUNK + 10]
+        # a new file may take the name meanwhile
+        write_file(p, b"new")
+        assert read_file(p) == b"new"
+    finally:
+        f.close()
+    assert read_file(p) == b"new"
+    # an unlinked file that is still being written
+    q = m.path("scratch.bin")
+    fd = os.open(q, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.unlink(q)
+        os.write(fd, b"a" * (CHUNK + 1))
+        assert os.pread(fd, 5, CHUNK - 2) == b"aaa"
+        assert os.fstat(fd).st_size == CHUNK + 1
+    finally:
+        os.close(fd)
+    assert not os.path.exists(q)
+    verify_persisted(make_mount, m, tmp_path)
+
+
+# ----------------------------------------------------------------- rename
+def test_rename_files(make_mount, tmp_path):
+    m = make_mount()
+    rng = random.Random(5)
+    a, b = m.path("a"), m.path("b")
+    da, db = rand_bytes(rng, 3 * MiB), rand_bytes(rng, CHUNK + 1)
+    write_file(a, da)
+    write_file(b, db)
+    assert wait_state(b, "durable") == "durable"
+    ino_a = os.stat(a).st_ino
+    os.rename(a, b)  # over an existing (durable) file
+    assert not os.path.exists(a)
+    assert read_file(b) == da
+    assert os.stat(b).st_ino == ino_a
+
+    # rename of an open file, then keep writing through the fd
+    c = m.path("c")
+    with open(c, "wb") as f:
+        f.write(b"1" * MiB)
+        f.flush()
+        os.rename(c, m.path("c2"))
+        f.write(b"2" * (CHUNK))
+    assert read_file(m.path("c2")) == b"1" * MiB + b"2" * CHUNK
+    assert not os.path.exists(c)
+
+    # rename of a file not yet persisted (big enough to still be staged)
+    big = rand_bytes(rng, 3 * CHUNK)
+    n = m.path("new")
+    write_file(n, big)
+    os.rename(n, m.path("renamed"))
+    os.mkdir(m.path("sub"))
+    os.rename(m.path("renamed"), m.path("sub", "moved"))
+    assert read_file(m.path("sub", "moved")) == big
+    assert wait_state(m.path("sub", "moved"), "durable") == "durable"
+
+    # RENAME_NOREPLACE
+    write_file(m.path("x"), b"x")
+    write_file(m.path("y"), b"y")
+    with pytest.raises(OSError) as ei:
+        renameat2(m.path("x"), m.path("y"), RENAME_NOREPLACE)
+    assert ei.value.errno == errno.EEXIST
+    assert read_file(m.path("y")) == b"y" and read_file(m.path("x")) == b"x"
+    renameat2(m.path("x"), m.path("z"), RENAME_NOREPLACE)
+    assert read_file(m.path("z")) == b"x" and not os.path.exists(m.path("x"))
+
+    # RENAME_EXCHANGE, across directories, one side durable
+    assert wait_state(m.path("y"), "durable") == "durable"
+    write_file(m.path("sub", "w"), b"w" * (CHUNK + 2))
+    renameat2(m.path("y"), m.path("sub", "w"), RENAME_EXCHANGE)
+    assert read_file(m.path("y")) == b"w" * (CHUNK + 2)
+    assert read_file(m.path("sub", "w")) == b"y"
+    with pytest.raises(OSError) as ei:
+        renameat2(m.path("y"), m.path("missing"), RENAME_EXCHANGE)
+    assert ei.value.errno == errno.ENOENT
+
+    # rename onto itself and onto a hard link of itself: no-ops
+    os.rename(m.path("z"), m.path("z"))
+    os.link(m.path("z"), m.path("z-link"))
+    os.rename(m.path("z"), m.path("z-link"))
+    assert read_file(m.path("z")) == b"x" and read_file(m.path("z-link")) == b"x"
+    os.unlink(m.path("z-link"))
+    verify_persisted(make_mount, m, tmp_path)
+
+
+def test_rename_directory_with_contents(make_mount, tmp_path):
+    m = make_mount()
+    rng = random.Random(6)
+    contents = {}
+    for rel in ["top/a.bin", "top/sub/b.bin", "top/sub/deeper/c.bin", "top/other/d.bin"]:
+        os.makedirs(os.path.dirname(m.path(rel)), exist_ok=True)
+        data = rand_bytes(rng, rng.choice([10, 5000, CHUNK + 7]))
+        write_file(m.path(rel), data)
+        contents[rel] = data
+    for rel in contents:
+        assert wait_state(m.path(rel), "durable") == "durable"
+    os.rename(m.path("top"), m.path("renamed"))
+    os.mkdir(m.path("dst"))
+    os.rename(m.path("renamed", "sub"), m.path("dst", "sub2"))
+    moved = {
+        "renamed/a.bin": contents["top/a.bin"],
+        "dst/sub2/b.bin": contents["top/sub/b.bin"],
+        "dst/sub2/deeper/c.bin": contents["top/sub/deeper/c.bin"],
+        "renamed/other/d.bin": contents["top/other/d.bin"],
+    }
+    assert not os.path.exists(m.path("top"))
+    for rel, data in moved.items():
+        assert read_file(m.path(rel)) == data
+    # the backend follows: files at the new paths, durable
+    deadline = time.monotonic() + 30
+    backend = tmp_path / "backend"
+    while time.monotonic() < deadline:
+        if all((backend / rel).exists() for rel in moved) and not (backend / "top" / "a.bin").exists():
+            break
+        time.sleep(0.1)
+    for rel, data in moved.items():
+        assert (backend / rel).read_bytes() == data
+        assert state(m.path(rel)) == "durable"
+    # a directory renamed over an empty directory
+    os.mkdir(m.path("empty"))
+    os.rename(m.path("renamed", "other"), m.path("empty"))
+    moved["empty/d.bin"] = moved.pop("renamed/other/d.bin")
+    assert read_file(m.path("empty", "d.bin")) == moved["empty/d.bin"]
+    # a directory renamed while its new file is still staged
+    os.mkdir(m.path("fresh"))
+    write_file(m.path("fresh", "n.bin"), b"n" * (2 * CHUNK))
+    os.rename(m.path("fresh"), m.path("fresh2"))
+    assert read_file(m.path("fresh2", "n.bin")) == b"n" * (2 * CHUNK)
+    verify_persisted(make_mount, m, tmp_path)
+
+
+# ------------------------------------------------------------- hard links
+def test_hard_links(make_mount, tmp_path):
+    m = make_mount()
+    p, q = m.path("orig"), m.path("sub", "link")
+    os.mkdir(m.path("sub"))
+    write_file(p, b"hello" * 1000)
+    os.link(p, q)
+    assert os.stat(p).st_nlink == 2 and os.stat(q).st_nlink == 2
+    assert os.stat(p).st_ino == os.stat(q).st_ino
+    assert read_file(q) == b"hello" * 1000
+    # a write through one name is seen through the other
+    with open(q, "r+b") as f:
+        f.write(b"HELLO")
+    assert read_file(p) == b"HELLO" + b"hello" * 999
+    assert wait_state(p, "durable") == "durable"
+    snap = tree(m.mountpoint)
+    # both names exist in the backend with the same bytes
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (tmp_path / "backend" / "sub" / "link").exists():
+        time.sleep(0.1)
+    assert (tmp_path / "backend" / "sub" / "link").read_bytes() == read_file(p)
+    assert err_of(os.link, m.path("sub"), m.path("dirlink")) == errno.EPERM
+    assert err_of(os.link, p, q) == errno.EEXIST
+    verify_persisted(make_mount, m, tmp_path, snap)
+
+    m2 = make_mount(name="m2")  # same backend, new state: unlink one name
+    write_file(m2.path("a"), b"abc")
+    os.link(m2.path("a"), m2.path("b"))
+    os.unlink(m2.path("a"))
+    assert os.stat(m2.path("b")).st_nlink == 1
+    assert read_file(m2.path("b")) == b"abc"
+    assert not os.path.exists(m2.path("a"))
+    verify_persisted(make_mount, m2, tmp_path)
+
+
+# ---------------------------------------------------------------- symlinks
+def test_symlinks(make_mount, tmp_path):
+    m = make_mount()
+    write_file(m.path("target"), b"data")
+    os.symlink("target", m.path("ln"))
+    os.symlink("does/not/exist", m.path("dangling"))
+    long_target = "x/" * 2000 + "end"
+    os.symlink(long_target, m.path("longlink"))
+    assert os.readlink(m.path("ln")) == "target"
+    assert os.readlink(m.path("longlink")) == long_target
+    assert stat.S_ISLNK(os.lstat(m.path("ln")).st_mode)
+    assert os.lstat(m.path("ln")).st_size == len("target")
+    assert read_file(m.path("ln")) == b"data"
+    assert os.path.lexists(m.path("dangling")) and not os.path.exists(m.path("dangling"))
+    assert err_of(open, m.path("dangling"), "rb") == errno.ENOENT
+    assert err_of(os.readlink, m.path("target")) == errno.EINVAL
+    assert err_of(os.symlink, "y", m.path("ln")) == errno.EEXIST
+    # writing through a dangling symlink creates its target
+    os.symlink("made", m.path("maker"))
+    write_file(m.path("maker"), b"via link")
+    assert read_file(m.path("made")) == b"via link"
+    os.rename(m.path("ln"), m.path("ln2"))
+    assert os.readlink(m.path("ln2")) == "target"
+    os.unlink(m.path("ln2"))
+    assert os.path.exists(m.path("target"))
+    snap = tree(m.mountpoint)
+    m.stop()
+    m_again = make_mount()  # same state dir: symlinks live in the metadata
+    assert tree(m_again.mountpoint) == snap
+    verify_persisted(make_mount, m_again, tmp_path)  # the backend holds the regular files only
+
+
+# -------------------------------------------------------------- attributes
+def test_chmod_chown_utimens(make_mount, tmp_path):
+    m = make_mount()
+    p = m.path("f")
+    write_file(p, b"attrs")
+    os.chmod(p, 0o640)
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o640
+    os.chmod(p, 0o4755)
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o4755
+    os.chown(p, 1000, 1001)
+    st = os.stat(p)
+    assert (st.st_uid, st.st_gid) == (1000, 1001)
+    os.chown(p, -1, 1002)
+    assert (os.stat(p).st_uid, os.stat(p).st_gid) == (1000, 1002)
+    atime, mtime = 1_600_000_000_123_456_789, 1_650_000_000_987_654_321
+    os.utime(p, ns=(atime, mtime))
+    st = os.stat(p)
+    assert (st.st_atime_ns, st.st_mtime_ns) == (atime, mtime)
+    assert st.st_ctime_ns > mtime
+    # utime on an open file, then a write moves mtime again
+    with open(p, "r+b") as f:
+        os.utime(f.fileno(), ns=(atime, mtime))
+        assert os.fstat(f.fileno()).st_mtime_ns == mtime
+    assert os.stat(p).st_mtime_ns == mtime
+    before = time.time_ns()
+    with open(p, "ab") as f:
+        f.write(b"!")
+    assert os.stat(p).st_mtime_ns >= before - 10**9
+    os.utime(p, ns=(atime, mtime))
+    os.mkdir(m.path("d"), 0o700)
+    assert stat.S_IMODE(os.stat(m.path("d")).st_mode) == 0o700
+    os.chmod(m.path("d"), 0o2775)
+    assert stat.S_IMODE(os.stat(m.path("d")).st_mode) == 0o2775
+    # attributes survive a restart on the same state dir
+    m.stop()
+    m = make_mount()
+    st = os.stat(p)
+    assert stat.S_IMODE(st.st_mode) == 0o4755 & ~0o4000 or stat.S_IMODE(st.st_mode) == 0o4755
+    assert (st.st_uid, st.st_gid, st.st_atime_ns, st.st_mtime_ns) == (1000, 1002, atime, mtime)
+    assert read_file(p) == b"attrs!"
+    verify_persisted(make_mount, m, tmp_path)
+
+
+def test_statvfs(mnt):
+    s = os.statvfs(mnt.path())
+    assert s.f_namemax == 255
+    assert s.f_bsize > 0 and s.f_frsize > 0
+    assert s.f_blocks > 0 and 0 <= s.f_bavail <= s.f_blocks
+    free_before = s.f_bfree
+    write_file(mnt.path("f"), b"z" * (4 * MiB))
+    s2 = os.statvfs(mnt.path())
+    assert s2.f_bfree <= free_before - (4 * MiB) // s2.f_frsize
+    assert s2.f_files > 0 and s2.f_ffree > 0
+
+
+# ------------------------------------------------------------------ xattrs
+def test_xattrs(make_mount, tmp_path):
+    m = make_mount()
+    p = m.path("f")
+    write_file(p, b"x")
+    os.setxattr(p, "user.color", b"blue")
+    os.setxattr(p, "user.empty", b"")
+    os.setxattr(p, "user.bin", bytes(range(256)))
+    assert os.getxattr(p, "user.color") == b"blue"
+    assert os.getxattr(p, "user.empty") == b""
+    assert os.getxattr(p, "user.bin") == bytes(range(256))
+    assert {"user.color", "user.empty", "user.bin"} <= set(os.listxattr(p))
+    os.setxattr(p, "user.color", b"red")
+    assert os.getxattr(p, "user.color") == b"red"
+    assert err_of(os.setxattr, p, "user.color", b"g", os.XATTR_CREATE) == errno.EEXIST
+    assert err_of(os.setxattr, p, "user.none", b"g", os.XATTR_REPLACE) == errno.ENODATA
+    os.removexattr(p, "user.color")
+    assert err_of(os.getxattr, p, "user.color") == errno.ENODATA
+    assert err_of(os.removexattr, p, "user.color") == errno.ENODATA
+    assert "user.color" not in os.listxattr(p)
+    # other namespaces are not supported
+    assert err_of(os.setxattr, p, "security.foo", b"v") == errno.EOPNOTSUPP
+    assert err_of(os.setxattr, p, "trusted.foo", b"v") == errno.EOPNOTSUPP
+    assert err_of(os.getxattr, p, "security.selinux") in (errno.ENODATA, errno.EOPNOTSUPP)
+    # the state is read-only and computed
+    assert os.getxattr(p, "user.aiturbo.state") in (b"staged", b"persisting", b"durable")
+    assert err_of(os.setxattr, p, "user.aiturbo.state", b"durable") == errno.EPERM
+    assert err_of(os.removexattr, p, "user.aiturbo.state") == errno.EPERM
+    os.mkdir(m.path("d"))
+    assert err_of(os.getxattr, m.path("d"), "user.aiturbo.state") == errno.ENODATA
+    # bad values of the aiturbo tags
+    for name, value in [
+        ("user.aiturbo.group", b""), ("user.aiturbo.group", b"has space"), ("user.aiturbo.group", b"x" * 129),
+        ("user.aiturbo.group", b"a/b"), ("user.aiturbo.group.size", b"0"), ("user.aiturbo.group.size", b"-1"),
+        ("user.aiturbo.group.size", b"65537"), ("user.aiturbo.group.size", b"two"), ("user.aiturbo.group.size", b""),
+        ("user.aiturbo.fsync", b"maybe"), ("user.aiturbo.fsync", b""), ("user.aiturbo.fsync", b"\xff"),
+        ("user.aiturbo.unknown", b"1"),
+    ]:
+        assert err_of(os.setxattr, m.path("d"), name, value) == errno.EINVAL, (name, value)
+    # inheritance of the tags by new children (not by existing ones)
+    os.setxattr(m.path("d"), "user.aiturbo.group", b"job-42.a:b_c")
+    os.setxattr(m.path("d"), "user.aiturbo.group.size", b"8")
+    os.setxattr(m.path("d"), "user.aiturbo.fsync", b"durable")
+    os.setxattr(m.path("d"), "user.other", b"not inherited")
+    os.mkdir(m.path("d", "sub"))
+    write_file(m.path("d", "sub", "child"), b"c")
+    write_file(m.path("d", "file"), b"f")
+    for child in (m.path("d", "sub"), m.path("d", "sub", "child"), m.path("d", "file")):
+        assert os.getxattr(child, "user.aiturbo.group") == b"job-42.a:b_c"
+        assert os.getxattr(child, "user.aiturbo.group.size") == b"8"
+        assert os.getxattr(child, "user.aiturbo.fsync") == b"durable"
+        assert err_of(os.getxattr, child, "user.other") == errno.ENODATA
+    # fsync=durable inherited: fsync returns when the file is durable
+    with open(m.path("d", "sync.bin"), "wb") as f:
+        f.write(b"s" * (CHUNK + 3))
+        f.flush()
+        os.fsync(f.fileno())
+        assert state(m.path("d", "sync.bin")) == "durable"
+    assert err_of(os.getxattr, p, "user.aiturbo.group") == errno.ENODATA
+    # xattrs of symlinks: user.* is refused by Linux on symlinks
+    os.symlink("f", m.path("l"))
+    assert err_of(os.setxattr, m.path("l"), "user.x", b"1", follow_symlinks=False) == errno.EPERM
+    # limits
+    assert err_of(os.setxattr, p, "user.big", b"v" * (64 * 1024 + 1)) in (errno.ERANGE, errno.E2BIG, errno.ENOSPC)
+    os.setxattr(p, "user.big", b"v" * (60 * 1024))
+    assert os.getxattr(p, "user.big") == b"v" * (60 * 1024)
+    # xattrs survive a restart on the same state dir
+    m.stop()
+    m = make_mount()
+    assert os.getxattr(m.path("f"), "user.bin") == bytes(range(256))
+    assert os.getxattr(m.path("d", "file"), "user.aiturbo.group") == b"job-42.a:b_c"
+    verify_persisted(make_mount, m, tmp_path)
+
+
+# --------------------------------------------------------------- ownership
+def test_created_files_owned_by_caller(make_mount, tmp_path):
+    m = make_mount(allow_other=True)
+    shared = m.path("shared")
+    os.mkdir(shared)
+    os.chmod(shared, 0o777)
+    os.chmod(m.mountpoint, 0o755)
+    tmp_path.chmod(0o755)
+    code = (
+        "import os, sys\n"
+        "d = sys.argv[1]\n"
+        "open(os.path.join(d, 'mine'), 'wb').write(b'by 1000')\n"
+        "os.mkdir(os.path.join(d, 'mydir'))\n"
+        "os.symlink('mine', os.path.join(d, 'mylink'))\n"
+        "try:\n"
+        "    open(os.path.join(d, '..', 'denied'), 'wb')\n"
+        "    print('NOT-DENIED')\n"
+        "except PermissionError:\n"
+        "    print('EACCES')\n"
+        "try:\n"
+        "    os.chown(os.path.join(d, 'mine'), 0, 0)\n"
+        "    print('NOT-DENIED')\n"
+        "except PermissionError:\n"
+        "    print('EPERM')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, shared], user=1000, group=1000, extra_groups=[],
+                         capture_output=True, text=True, timeout=60, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["EACCES", "EPERM"]
+    for name in ("mine", "mydir", "mylink"):
+        st = os.lstat(os.path.join(shared, name))
+        assert (st.st_uid, st.st_gid) == (1000, 1000), name
+    assert read_file(os.path.join(shared, "mine")) == b"by 1000"
+    # setgid directory: new entries take the directory's group
+    os.chown(shared, 0, 1234)
+    os.chmod(shared, 0o2777)
+    out = subprocess.run([sys.executable, "-c", "import os,sys; open(sys.argv[1], 'wb').close(); os.mkdir(sys.argv[2])",
+                          os.path.join(shared, "g"), os.path.join(shared, "gd")],
+                         user=1000, group=1000, extra_groups=[], capture_output=True, text=True, timeout=60, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert os.stat(os.path.join(shared, "g")).st_gid == 1234
+    gd = os.stat(os.path.join(shared, "gd"))
+    assert gd.st_gid == 1234 and gd.st_mode & stat.S_ISGID
+    verify_persisted(make_mount, m, tmp_path)
+
+
+# --------------------------------------------------------------- mmap reads
+def test_mmap_reads(make_mount, tmp_path):
+    m = make_mount()
+    rng = random.Random(7)
+    data = rand_bytes(rng, CHUNK + 3 * MiB + 17)
+    p = m.path("mm.bin")
+    write_file(p, data)
+    with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+        assert len(mm) == len(data)
+        assert mm[:] == data
+        for _ in range(50):
+            off = rng.randrange(len(data))
+            n = rng.randrange(1, 100_000)
+            assert mm[off : off + n] == data[off : off + n]
+        assert mm[CHUNK - 5 : CHUNK + 5] == data[CHUNK - 5 : CHUNK + 5]
+    # mmap after the chunks were evicted: pages come from the backend again
+    assert wait_state(p, "durable") == "durable"
+    aiturbo("drop-cache", m.mountpoint)
+    with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+        assert mm[:] == data
+    # a shared writable mapping: stores reach the file
+    q = m.path("mw.bin")
+    write_file(q, bytes(2 * MiB))
+    with open(q, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+        mm[100:105] = b"HELLO"
+        mm[MiB : MiB + 3] = b"abc"
+        mm.flush()
+    want = bytearray(2 * MiB)
+    want[100:105] = b"HELLO"
+    want[MiB : MiB + 3] = b"abc"
+    assert read_file(q) == want
+    verify_persisted(make_mount, m, tmp_path)
+
+
+# ----------------------------------------------------------- random writes
+def _random_pwrites(fd: int, model: bytearray, rng: random.Random, count: int) -> None:
+    for i in range(count):
+        kind = rng.random()
+        if kind < 0.1:  # across a chunk boundary
+            k = rng.randrange(1, len(model) // CHUNK + 1)
+            off = k * CHUNK - rng.randrange(1, 5000)
+            n = rng.randrange(1, 10_000)
+        elif kind < 0.2:  # a big block
+            n = rng.randrange(256 * 1024, 2 * MiB)
+            off = rng.randrange(0, len(model))
+        else:  # small h5py-style metadata/data writes
+            n = rng.randrange(1, 4096)
+            off = rng.randrange(0, len(model))
+        piece = rand_bytes(rng, n)
+        assert os.pwrite(fd, piece, off) == n
+        if off + n > len(model):
+            model.extend(bytes(off + n - len(model)))
+        model[off : off + n] = piece
+        if i % 25 == 0:  # interleaved reads see the model
+            roff = rng.randrange(0, len(model))
+            rn = rng.randrange(1, 300_000)
+            assert os.pread(fd, rn, roff) == bytes(model[roff : roff + rn])
+
+
+def test_random_writes_with_model(make_mount, tmp_path):
+    m = make_mount()
+    rng = random.Random(8)
+    p = m.path("h5like.bin")
+    size = 2 * CHUNK + 3 * MiB
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, size) if False else os.ftruncate(fd, size)  # preallocate
+        model = bytearray(size)
+        _random_pwrites(fd, model, rng, 300)
+        assert os.fstat(fd).st_size == len(model)
+    finally:
+        os.close(fd)
+    assert read_file(p) == model
+    # overwrite after close/reopen (sealed, still staged), then after durable
+    for phase in ("reopen", "durable", "evicted"):
+        if phase != "reopen":
+            assert wait_state(p, "durable") == "durable"
+        if phase == "evicted":
+            aiturbo("drop-cache", m.mountpoint)
+        fd = os.open(p, os.O_RDWR)
+        try:
+            _random_pwrites(fd, model, rng, 100)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        assert read_file(p) == model, phase
+    # two handles on one file: writes through one are seen through the other
+    fa, fb = os.open(p, os.O_RDWR), os.open(p, os.O_RDONLY)
+    try:
+        os.pwrite(fa, b"both", CHUNK - 2)
+        model[CHUNK - 2 : CHUNK + 2] = b"both"
+        assert os.pread(fb, 4, CHUNK - 2) == b"both"
+    finally:
+        os.close(fa)
+        os.close(fb)
+    fresh = verify_persisted(make_mount, m, tmp_path, keep_fresh=True)
+    # and random writes into the imported (unhashed) copy in the fresh mount
+    q = fresh.path("h5like.bin")
+    assert read_file(q) == model
+    fd = os.open(q, os.O_RDWR)
+    try:
+        _random_pwrites(fd, model, rng, 60)
+    finally:
+        os.close(fd)
+    assert read_file(q) == model
+    verify_persisted(make_mount, fresh, tmp_path)
