@@ -7,6 +7,7 @@ restart tests, more stores on the same database.
 """
 
 import dataclasses
+import errno
 import functools
 import os
 import sqlite3
@@ -14,6 +15,8 @@ import stat
 
 import pytest
 import trio
+
+from pgserver import PgServer, free_port, pg_server  # noqa: F401  (pg_server is a fixture)
 
 from aiturbofs import _errors as err
 from aiturbofs._limits import (
@@ -758,7 +761,131 @@ class TestSQLite(MetaConformance):
         conn.close()
 
 
-@pytest.mark.parametrize("url", ["sqlite://relative.db", "sqlite:/x.db", "mysql://h/db", "/plain/path"])
+class TestPostgres(MetaConformance):
+    @pytest.fixture
+    def meta_url(self, pg_server: PgServer):
+        return pg_server.new_database()
+
+    def test_refuses_newer_schema(self, store, meta_url):
+        import psycopg
+
+        with psycopg.connect(meta_url, autocommit=True) as conn:
+            conn.execute("UPDATE meta_schema SET version = version + 1")
+        with pytest.raises(err.ConfigError):
+            trio.run(open_store, meta_url)
+
+    @trio_test
+    async def test_inode_numbers_start_after_root(self, store):
+        assert (await store.create(ROOT_INO, b"first", file_row())).ino == ROOT_INO + 1
+
+    @trio_test
+    async def test_connection_loss_is_transient(self, store, meta_url):
+        import psycopg
+
+        f = await store.create(ROOT_INO, b"f", file_row())
+        for _ in range(50):  # concurrent calls open more pooled connections
+            async with trio.open_nursery() as nursery:
+                for _ in range(8):
+                    nursery.start_soon(store.get_inode, f.ino)
+            if len(store._idle) >= 2:
+                break
+        with psycopg.connect(meta_url, autocommit=True) as admin:  # a server restart, in effect
+            (killed,) = admin.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            ).fetchone()
+        assert killed >= 2
+        with pytest.raises(err.AiturboError) as caught:
+            await store.get_inode(f.ino)
+        assert type(caught.value) is err.AiturboError and caught.value.errno == errno.EIO
+        assert "connection lost" in str(caught.value)
+        assert (await store.get_inode(f.ino)).ino == f.ino  # reconnected
+
+    @trio_test
+    async def test_gives_up_after_bounded_conflicts(self, store, monkeypatch):
+        import psycopg
+
+        from aiturbofs.meta import _postgres
+
+        monkeypatch.setattr(_postgres, "META_PG_TX_ATTEMPTS_MAX", 3)
+        runs = []
+
+        def always_conflicts(tx):
+            runs.append(1)
+            tx.one("SELECT 1")
+            raise psycopg.errors.SerializationFailure("simulated")
+
+        store._tx_stats = always_conflicts
+        with pytest.raises(err.AiturboError) as caught:
+            await store.stats()
+        assert caught.value.errno == errno.EIO and len(runs) == 3
+        del store._tx_stats
+        assert await store.stats() == (1, 0)  # the connection is fine
+
+    @trio_test
+    async def test_directory_locks_are_released(self, store, meta_url):
+        import psycopg
+
+        d = await store.create(ROOT_INO, b"d", dir_row())
+        await store.create(d.ino, b"f", file_row())
+        failing = [
+            lambda: store.create(d.ino, b"f", file_row()),  # Exists
+            lambda: store.rmdir(ROOT_INO, b"d"),  # NotEmpty
+            lambda: store.unlink(d.ino, b"nope"),  # NotFound
+            lambda: store.rename(d.ino, b"f", 4242, b"x"),  # NotFound, two locks
+        ]
+        for call in failing:
+            with pytest.raises(err.AiturboError):
+                await call()
+        await store.rename(d.ino, b"f", ROOT_INO, b"g")
+        with psycopg.connect(meta_url, autocommit=True) as admin:
+            held = admin.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone()[0]
+        assert held == 0
+
+    @trio_test
+    async def test_unreachable_server_is_transient(self):
+        store = open_meta(f"postgresql://aiturbo@127.0.0.1:{free_port()}/nowhere")
+        with pytest.raises(err.AiturboError) as caught:
+            await store.init(root_uid=UID, root_gid=GID, root_mode=0o755)
+        assert caught.value.errno == errno.EIO and "cannot connect" in str(caught.value)
+
+    @trio_test
+    async def test_concurrent_init_and_same_name_creates(self, meta_url):
+        stores = [open_meta(meta_url) for _ in range(4)]
+        created, existed = [], []
+
+        async def run(s: MetaStore) -> None:
+            await s.init(root_uid=UID, root_gid=GID, root_mode=0o755)  # all on an empty database
+            for i in range(10):
+                try:
+                    created.append((await s.create(ROOT_INO, b"n%d" % i, dir_row())).ino)
+                except err.Exists:
+                    existed.append(i)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for s in stores:
+                    nursery.start_soon(run, s)
+            assert len(created) == 10 and len(existed) == 30 and len(set(created)) == 10
+            root = await stores[0].get_inode(ROOT_INO)
+            assert root.nlink == 2 + 10  # every winner counted once
+            assert await stores[1].stats() == (11, 0)
+        finally:
+            for s in stores:
+                await s.close()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "sqlite://relative.db",
+        "sqlite:/x.db",
+        "mysql://h/db",
+        "/plain/path",
+        "postgresql://h/%zz",  # malformed
+        "postgres://h",  # no database
+    ],
+)
 def test_open_meta_rejects_bad_urls(url):
     with pytest.raises(err.ConfigError):
         open_meta(url)

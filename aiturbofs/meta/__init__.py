@@ -22,6 +22,8 @@ from ._base import MetaStore as MetaStore
 # URL scheme -> module (in this package) whose from_url(url) builds the store.
 _ENGINES = {
     "sqlite": "._sqlite",
+    "postgresql": "._postgres",
+    "postgres": "._postgres",
 }
 
 

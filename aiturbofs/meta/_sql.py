@@ -191,13 +191,39 @@ class SqlMetaStore(MetaStore):
         """
         raise NotImplementedError
 
-    async def _run(self, body: Callable[..., Any], *args: Any, write: bool, durable: bool = False) -> Any:
+    def _transact_in_dirs(
+        self, dirs: tuple[int, ...], body: Callable[..., Any], args: tuple, write: bool, durable: bool
+    ) -> Any:
+        """``_transact`` for a body that changes the entries of directories ``dirs``.
+
+        Such a body updates each directory's row (mtime, nlink), so two of
+        them on one directory always conflict.  An engine whose writers run
+        concurrently may queue them per directory here rather than let them
+        abort each other; one that runs a single writer at a time (SQLite's
+        ``BEGIN IMMEDIATE``) needs nothing.
+        """
+        return self._transact(body, args, write, durable)
+
+    async def _run(
+        self,
+        body: Callable[..., Any],
+        *args: Any,
+        write: bool,
+        durable: bool = False,
+        dirs: tuple[int, ...] = (),
+    ) -> Any:
         """Run ``body(tx, *args)`` as one transaction in a worker thread.
 
-        Not cancellable once started: a cancelled caller never leaves a
-        transaction half-applied or a connection mid-statement.
+        ``dirs``: the directories whose entries the body changes (see
+        ``_transact_in_dirs``).  Not cancellable once started: a cancelled
+        caller never leaves a transaction half-applied or a connection
+        mid-statement.
         """
         assert self._connected, "MetaStore.init() was not called, or close() was"
+        if dirs:
+            return await trio.to_thread.run_sync(
+                self._transact_in_dirs, dirs, body, args, write, durable, limiter=self._limiter
+            )
         return await trio.to_thread.run_sync(
             self._transact, body, args, write, durable, limiter=self._limiter
         )
@@ -441,7 +467,9 @@ class SqlMetaStore(MetaStore):
         *,
         inherit_xattr_prefix: bytes | None = INHERIT_XATTR_PREFIX,
     ) -> InodeRow:
-        return await self._run(self._tx_create, parent, name, row, inherit_xattr_prefix, write=True)
+        return await self._run(
+            self._tx_create, parent, name, row, inherit_xattr_prefix, write=True, dirs=(parent,)
+        )
 
     def _tx_create(self, tx: Tx, parent: int, name: bytes, row: InodeRow, prefix: bytes | None) -> InodeRow:
         check_name(name)
@@ -479,7 +507,7 @@ class SqlMetaStore(MetaStore):
                 tx.run("INSERT INTO xattrs (ino, name, value) VALUES (?, ?, ?)", ino, name, value)
 
     async def link(self, ino: int, new_parent: int, new_name: bytes) -> InodeRow:
-        return await self._run(self._tx_link, ino, new_parent, new_name, write=True)
+        return await self._run(self._tx_link, ino, new_parent, new_name, write=True, dirs=(new_parent,))
 
     def _tx_link(self, tx: Tx, ino: int, new_parent: int, new_name: bytes) -> InodeRow:
         check_name(new_name)
@@ -499,7 +527,7 @@ class SqlMetaStore(MetaStore):
         return self._add_links(tx, ino, +1, now)
 
     async def unlink(self, parent: int, name: bytes) -> InodeRow:
-        return await self._run(self._tx_unlink, parent, name, write=True)
+        return await self._run(self._tx_unlink, parent, name, write=True, dirs=(parent,))
 
     def _tx_unlink(self, tx: Tx, parent: int, name: bytes) -> InodeRow:
         self._dir(tx, parent)
@@ -512,7 +540,7 @@ class SqlMetaStore(MetaStore):
         return self._add_links(tx, row.ino, -1, now)
 
     async def rmdir(self, parent: int, name: bytes) -> InodeRow:
-        return await self._run(self._tx_rmdir, parent, name, write=True)
+        return await self._run(self._tx_rmdir, parent, name, write=True, dirs=(parent,))
 
     def _tx_rmdir(self, tx: Tx, parent: int, name: bytes) -> InodeRow:
         self._dir(tx, parent)
@@ -537,7 +565,15 @@ class SqlMetaStore(MetaStore):
         exchange: bool = False,
     ) -> InodeRow | None:
         return await self._run(
-            self._tx_rename, parent, name, new_parent, new_name, noreplace, exchange, write=True
+            self._tx_rename,
+            parent,
+            name,
+            new_parent,
+            new_name,
+            noreplace,
+            exchange,
+            write=True,
+            dirs=(parent, new_parent),
         )
 
     def _tx_rename(

@@ -1,0 +1,309 @@
+"""The PostgreSQL metadata engine: one database shared by the daemons of a cluster.
+
+This module owns the psycopg connections of one store, the transaction
+boundaries and their retries; all SQL lives in ``_sql``.  A store keeps up
+to ``META_PG_CONNECTIONS`` connections, each used by one worker thread at a
+time (the capacity limiter guarantees it), opened on first need: with a
+cluster's round trips, one connection would hold every FUSE request of a
+node behind the one in flight.  The server's ``max_connections`` must allow
+that many per daemon.
+
+Isolation: every public method is ONE transaction at SERIALIZABLE.  The
+bodies in ``_sql`` check, then change ("is the name free? insert it"); when
+two daemons do that at once, PostgreSQL aborts one of them with a
+serialization failure (SQLSTATE 40001) or a deadlock (40P01), or the unique
+index on ``(parent, name)`` rejects the second insert (23505).  Such a
+transaction is run again from the start, up to ``META_PG_TX_ATTEMPTS_MAX``
+times with jittered exponential backoff; the re-run sees the winner's row
+and answers, say, ``Exists``.  A transaction that loses every time gives up
+with a transient ``AiturboError`` (EIO); a unique violation that persists
+through every run is a bug and is raised as it is.
+
+Directories: every namespace change (create, link, unlink, rmdir, rename)
+updates its directory's row, so concurrent changes in one directory (every
+rank of a job writing its shard into one checkpoint directory) would all
+but one abort, again and again.  They queue instead: before BEGIN the
+session takes an advisory lock per directory (the inode number is the key;
+ascending order, so two renames never deadlock) and holds it to the end of
+the transaction.  The lock is for throughput and fairness only; correctness
+rests on SERIALIZABLE, which also covers every writer that takes no lock.
+
+Data a serializable transaction read is valid only once it has committed
+(PostgreSQL manual, 13.2.3).  So a body that ends in an error (``NotFound``,
+``Exists``...) does not just roll back: its writes are undone to a savepoint
+taken before it, the transaction COMMITs, and only a successful commit lets
+the error through; a failed one runs the body again.  Read-only methods run
+``READ ONLY`` and commit the same way.
+
+Connections: a lost connection (server restart, network, an administrator's
+``pg_terminate_backend``) makes the call fail with a transient
+``AiturboError`` (EIO) and the connection is dropped; the next call opens a
+new one.  A connection lost during COMMIT leaves the outcome unknown: the
+caller sees EIO although the change may have been applied.  Statements
+(lock waits included) time out after ``META_PG_STATEMENT_TIMEOUT_S``; TCP
+keepalives notice a server that went silent.  Settings given in the URL
+(``?connect_timeout=...``) win over these defaults.
+
+Durability: every commit waits for the server's WAL flush (the server's
+default ``synchronous_commit=on``), so the ``durable`` flag changes nothing.
+
+Schema: ``init`` serialises daemons that start together on an empty
+database with an advisory lock and runs at READ COMMITTED, so the ones that
+wait see the schema and the root the first one committed.  Identities (inode
+numbers, readdir tokens) come from sequences that start at 2 (the root is 1)
+and never hand out a number twice, also not for transactions that aborted.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import trio
+from psycopg import errors as pgerr
+from psycopg.conninfo import conninfo_to_dict
+from psycopg.pq import TransactionStatus
+
+from .. import _errors as err
+from .._limits import (
+    META_PG_CONNECT_TIMEOUT_S,
+    META_PG_CONNECTIONS,
+    META_PG_KEEPALIVE_S,
+    META_PG_RETRY_BACKOFF_FIRST_S,
+    META_PG_RETRY_BACKOFF_MAX_S,
+    META_PG_STATEMENT_TIMEOUT_S,
+    META_PG_TX_ATTEMPTS_MAX,
+)
+from ._sql import SqlMetaStore, Tx
+
+# Errors after which the same transaction, run again, may well succeed.
+_CONFLICTS = (pgerr.SerializationFailure, pgerr.DeadlockDetected, pgerr.UniqueViolation)
+
+# SQLSTATE classes that are operating conditions, not bugs in our SQL:
+# connection, insufficient resources, operator intervention (statement
+# timeout, shutdown), system error, internal error (corruption), and
+# transaction rollback (statement completion unknown...).
+_OPERATING_CLASSES = ("08", "53", "57", "58", "XX", "40")
+_READ_ONLY_STANDBY = "25006"  # connected to a hot standby: writes refused
+
+# init() of daemons starting together: one creates the schema, the others wait.
+# The two-key form: a key space apart from the one-key directory locks (inode numbers).
+_INIT_LOCK_KEY = 0x61697475  # "aitu"; any constant no other client of the database uses
+
+_SAVEPOINT = "body"
+_COMMIT = "COMMIT"
+_UNDO_AND_COMMIT = f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}; COMMIT"
+_ROLLBACK = "ROLLBACK"
+_UNLOCK = "SELECT pg_advisory_unlock_all()"  # the session holds no other advisory lock
+
+# TCP keepalives: after META_PG_KEEPALIVE_S idle, probe every META_PG_KEEPALIVE_S,
+# give up after 3 lost probes; tcp_user_timeout bounds unacknowledged sends.
+_CONNECT_DEFAULTS = {
+    "connect_timeout": str(int(META_PG_CONNECT_TIMEOUT_S)),
+    "keepalives": "1",
+    "keepalives_idle": str(META_PG_KEEPALIVE_S),
+    "keepalives_interval": str(META_PG_KEEPALIVE_S),
+    "keepalives_count": "3",
+    "tcp_user_timeout": str(int(4 * META_PG_KEEPALIVE_S * 1000)),
+    "application_name": "aiturbofs",
+}
+
+
+def _to_pyformat(sql: str) -> str:
+    """``?`` placeholders as psycopg's ``%s`` (``_sql`` writes no ``%`` and no ``?`` literal)."""
+    return sql.replace("?", "%s")
+
+
+def _begin(isolation: str, write: bool) -> str:
+    if write:
+        return f"BEGIN ISOLATION LEVEL {isolation}; SAVEPOINT {_SAVEPOINT}"
+    return f"BEGIN ISOLATION LEVEL {isolation} READ ONLY"
+
+
+class PostgresMetaStore(SqlMetaStore):
+    """``MetaStore`` in the PostgreSQL database at ``url``."""
+
+    BLOB = "BYTEA"
+    INT = "BIGINT"
+    IDENTITY = "BIGINT GENERATED BY DEFAULT AS IDENTITY (START WITH 2) PRIMARY KEY"
+    READDIR_FROM = "dentries d"
+
+    def __init__(self, url: str, params: dict[str, str]):
+        super().__init__(trio.CapacityLimiter(META_PG_CONNECTIONS))
+        self.url = url
+        self._connect_kwargs = {k: v for k, v in _CONNECT_DEFAULTS.items() if k not in params}
+        host, port, db = params.get("host", ""), params.get("port", ""), params.get("dbname", "")
+        self._where = f"{host or 'localhost'}{':' + port if port else ''}/{db}"
+        self._idle: list[psycopg.Connection] = []  # connections no thread is using
+        self._closed = False  # close() ran: a connection handed back is closed, not kept
+        self._lock = threading.Lock()  # guards _idle and _closed (worker threads)
+
+    def __repr__(self) -> str:
+        return f"PostgresMetaStore({self._where!r})"
+
+    # --- connections -------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        self._release(self._open())  # fail at init, not at the first operation
+
+    def _open(self) -> psycopg.Connection:
+        try:
+            conn = psycopg.connect(self.url, autocommit=True, **self._connect_kwargs)
+        except psycopg.Error as exc:
+            raise err.AiturboError(f"metadata database {self._where}: cannot connect: {exc}") from exc
+        try:
+            timeout_ms = int(META_PG_STATEMENT_TIMEOUT_S * 1000)
+            conn.execute(f"SET statement_timeout = {timeout_ms}", prepare=False)
+        except psycopg.Error as exc:
+            conn.close()
+            raise err.AiturboError(f"metadata database {self._where}: {exc}") from exc
+        return conn
+
+    def _acquire(self) -> psycopg.Connection:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return self._open()
+
+    def _release(self, conn: psycopg.Connection) -> None:
+        with self._lock:
+            if not (conn.closed or conn.broken or self._closed):
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def _drop_idle(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def _disconnect(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._drop_idle()
+
+    # --- transactions -------------------------------------------------------------------
+
+    def _tx_init(self, tx: Tx, root_uid: int, root_gid: int, root_mode: int) -> None:
+        tx.one("SELECT pg_advisory_xact_lock(?, 0)", _INIT_LOCK_KEY)
+        super()._tx_init(tx, root_uid, root_gid, root_mode)
+
+    def _transact(self, body: Callable[..., Any], args: tuple, write: bool, durable: bool) -> Any:
+        return self._transact_in_dirs((), body, args, write, durable)
+
+    def _transact_in_dirs(
+        self, dirs: tuple[int, ...], body: Callable[..., Any], args: tuple, write: bool, durable: bool
+    ) -> Any:
+        # init runs at READ COMMITTED: after its advisory lock, its statements
+        # must see what a daemon that held the lock before committed.
+        isolation = "READ COMMITTED" if body == self._tx_init else "SERIALIZABLE"
+        begin = _begin(isolation, write)
+        keys = sorted(set(dirs))  # one order for every daemon: two renames never deadlock
+        delay = META_PG_RETRY_BACKOFF_FIRST_S
+        for attempt in range(1, META_PG_TX_ATTEMPTS_MAX + 1):
+            conn = self._acquire()
+            try:
+                return self._attempt(conn, body, args, begin, write, keys)
+            except _CONFLICTS as exc:
+                if attempt == META_PG_TX_ATTEMPTS_MAX:
+                    if isinstance(exc, pgerr.UniqueViolation):
+                        raise  # the same row again and again: our SQL, not a race
+                    raise err.AiturboError(
+                        f"metadata database {self._where}: transaction lost {attempt} conflicts"
+                        f" with other writers in a row: {exc}"
+                    ) from exc
+            except psycopg.Error as exc:
+                mapped = self._operating_error(conn, exc)
+                if mapped is exc:
+                    raise
+                raise mapped from exc
+            finally:
+                self._release(conn)
+            time.sleep(random.uniform(0, delay))  # outside the transaction, no locks held
+            delay = min(2 * delay, META_PG_RETRY_BACKOFF_MAX_S)
+        raise AssertionError("unreachable")
+
+    def _attempt(
+        self,
+        conn: psycopg.Connection,
+        body: Callable[..., Any],
+        args: tuple,
+        begin: str,
+        write: bool,
+        dirs: list[int],
+    ) -> Any:
+        """One run of ``body`` in a transaction begun with ``begin``.
+
+        With ``dirs``, the session first takes an advisory lock per directory
+        and keeps it to the end of the transaction: the writers of one
+        directory then queue, and each one's snapshot (taken at its first
+        statement, after the locks) already holds the previous one's commit,
+        instead of all but one aborting on the directory's row.  Correctness
+        still rests on SERIALIZABLE, which also covers writers without locks.
+        """
+        locked = bool(dirs)
+        try:
+            if dirs:
+                # A statement of its own: sent with BEGIN, it would run inside
+                # the transaction and take the snapshot before the wait.
+                lock = ", ".join(f"pg_advisory_lock({int(ino)})" for ino in dirs)
+                conn.execute(f"SELECT {lock}", prepare=False)
+            conn.execute(begin, prepare=False)
+            try:
+                with conn.cursor() as cursor:
+                    try:
+                        result = body(Tx(cursor, _to_pyformat), *args)
+                    except err.AiturboError:
+                        # What the body read is valid only if the transaction
+                        # commits: undo its writes, commit, then report the error.
+                        conn.execute(_UNDO_AND_COMMIT if write else _COMMIT, prepare=False)
+                        raise
+                conn.execute(_COMMIT + ("; " + _UNLOCK if locked else ""), prepare=False)
+                locked = False
+                return result
+            except BaseException:
+                if not conn.broken and conn.info.transaction_status != TransactionStatus.IDLE:
+                    try:
+                        conn.execute(_ROLLBACK, prepare=False)
+                    except psycopg.Error:
+                        conn.close()  # cannot tell its state: never reuse it
+                raise
+        finally:
+            if locked and not (conn.broken or conn.closed):
+                try:
+                    conn.execute(_UNLOCK, prepare=False)
+                except psycopg.Error:
+                    conn.close()  # a session lock must not outlive the call: drop the session
+
+    def _operating_error(self, conn: psycopg.Connection, exc: psycopg.Error) -> BaseException:
+        """The ``_errors`` class for a database error, or ``exc`` itself for a bug."""
+        state = exc.sqlstate or ""
+        if conn.broken or conn.closed:
+            conn.close()
+            self._drop_idle()  # they went down with it (server restart): reopen all on demand
+            return err.AiturboError(f"metadata database {self._where}: connection lost: {exc}")
+        if isinstance(exc, pgerr.DiskFull):
+            return err.NoSpace(f"metadata database {self._where}: {exc}")
+        if isinstance(exc, pgerr.QueryCanceled):
+            return err.AiturboError(
+                f"metadata database {self._where}: statement timed out or was cancelled: {exc}"
+            )
+        if not state or state[:2] in _OPERATING_CLASSES or state == _READ_ONLY_STANDBY:
+            return err.AiturboError(f"metadata database {self._where}: {exc}")
+        return exc
+
+
+def from_url(url: str) -> PostgresMetaStore:
+    """A store for ``postgresql://[user[:password]@]host[:port]/dbname[?param=value...]``."""
+    try:
+        params = conninfo_to_dict(url)
+    except psycopg.Error as exc:
+        raise err.ConfigError(f"metadata URL: {exc}") from None  # the URL may hold a password
+    if not params.get("dbname"):
+        raise err.ConfigError("metadata URL: expected postgresql://[user@]host[:port]/dbname")
+    return PostgresMetaStore(url, params)
