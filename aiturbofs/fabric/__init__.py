@@ -1,0 +1,18 @@
+"""The peer data plane: chunks and control messages between authenticated nodes.
+
+``Transport`` (see ``_base``) is the interface; ``TcpTransport`` runs
+everywhere, ``MemoryTransport`` serves unit tests, an RDMA transport will
+join them.  Peers prove knowledge of the cluster secret (``load_secret``)
+before any request is read.  This layer imports only ``_limits``,
+``_errors`` and ``chunk`` — never vfs, staging or the controller.
+"""
+
+from ._auth import load_secret as load_secret
+from ._base import ChunkHandler as ChunkHandler
+from ._base import Peer as Peer
+from ._base import PeerCounters as PeerCounters
+from ._base import PeerInfo as PeerInfo
+from ._base import Transport as Transport
+from ._memory import MemoryNetwork as MemoryNetwork
+from ._memory import MemoryTransport as MemoryTransport
+from ._tcp import TcpTransport as TcpTransport
