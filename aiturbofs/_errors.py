@@ -116,3 +116,34 @@ class ConfigError(AiturboError):
     """A bad mount option or config value; the message says which and why."""
 
     errno = errno.EINVAL
+
+
+class PeerBroken(AiturboError):
+    """A fabric peer failed: connection lost or refused, no reply in time, or a malformed frame.
+
+    The connection is dead: every pending and later call on it raises this.
+    Reconnect, or fetch the chunk from another replica or the backend.
+    """
+
+    errno = errno.EIO
+
+
+class PeerClosed(AiturboError):
+    """A call on a fabric peer that this node itself closed (a bug or a shutdown race)."""
+
+    errno = errno.ESHUTDOWN
+
+
+class AuthFailed(AiturboError):
+    """A fabric peer failed the cluster-secret handshake (or rejected ours).
+
+    Not a ``PeerBroken``: retrying will not help until the secrets agree.
+    """
+
+    errno = errno.EACCES
+
+
+class RemoteError(AiturboError):
+    """A fabric peer answered one request with an error; the connection stays usable."""
+
+    errno = errno.EIO

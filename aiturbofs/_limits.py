@@ -64,6 +64,13 @@ META_BUSY_TIMEOUT_S = 30.0  # sqlite: wait this long for another daemon's write 
 META_READDIR_ENTRIES_MAX = 4096  # entries one readdir call returns at most
 LINKS_PER_INODE_MAX = 65000  # hard links to one file, like ext4 (EMLINK beyond)
 DIR_DEPTH_MAX = PATH_BYTES_MAX // 2  # a path of one-byte names: bounds walks to the root
+META_PG_CONNECTIONS = 4  # postgresql: connections (and worker threads) per store; 4x lookups at 0.5 ms RTT
+META_PG_TX_ATTEMPTS_MAX = 20  # postgresql: runs of one transaction that keeps losing serialization conflicts
+META_PG_RETRY_BACKOFF_FIRST_S = 0.002  # postgresql: jittered backoff before the 2nd run, doubling...
+META_PG_RETRY_BACKOFF_MAX_S = 0.2  # ...up to this
+META_PG_CONNECT_TIMEOUT_S = 10  # postgresql: libpq connect_timeout (whole seconds)
+META_PG_STATEMENT_TIMEOUT_S = 30.0  # postgresql: one statement, lock waits included
+META_PG_KEEPALIVE_S = 5  # postgresql: TCP keepalive idle/interval; a silent server is dropped after ~4x this
 
 # --- control socket ---------------------------------------------------------------
 CONTROL_REQUEST_BYTES_MAX = 64 * KiB
@@ -73,3 +80,31 @@ WAIT_POLL_S = 0.2  # `aiturbo wait` refresh period
 
 # --- daemon start -------------------------------------------------------------------
 MOUNT_READY_TIMEOUT_S = 60.0  # parent waits this long for the daemon's mount
+
+# --- fabric (peer data plane) -------------------------------------------------------
+FABRIC_FRAME_SLACK_BYTES = 4 * KiB  # a frame is at most a chunk plus this (key, header)
+FABRIC_FRAME_BYTES_MAX = CHUNK_BYTES + FABRIC_FRAME_SLACK_BYTES  # checked before any payload is allocated
+FABRIC_CONTROL_BYTES_MAX = 64 * KiB  # one JSON control body (request or reply)
+FABRIC_MESSAGE_BYTES_MAX = 1 * KiB  # an ERROR / REJECTED reason; longer ones are cut
+FABRIC_NODE_NAME_BYTES_MAX = 255  # a node's name in the handshake (UTF-8)
+FABRIC_SECRET_BYTES_MIN = 16  # cluster secret: shorter files are refused
+FABRIC_SECRET_BYTES_MAX = 4 * KiB  # a bigger "secret" file is a mistake, not a secret
+FABRIC_IN_FLIGHT_MAX = 16  # requests outstanding on one connection (client waits, server stops reading)
+FABRIC_CONNECTIONS_MAX = 1024  # peer connections one node serves at once; more are closed at once
+FABRIC_HASH_THREADS_MAX = 4  # BLAKE3 checks of received chunks running in worker threads
+FABRIC_RECEIVE_BYTES = 256 * KiB  # one receive from a stream (bounds per-call allocation)
+FABRIC_CONNECT_TIMEOUT_S = 5.0  # open a connection to a peer
+FABRIC_HANDSHAKE_TIMEOUT_S = 5.0  # the whole authentication exchange, on either side
+FABRIC_CALL_TIMEOUT_S = 30.0  # default per-call bound for get/put/control (an 8 MiB chunk on a slow link)
+FABRIC_PING_TIMEOUT_S = 5.0  # default bound for ping()
+FABRIC_SEND_TIMEOUT_S = 30.0  # a server's reply that the peer does not take in this long breaks the connection
+FABRIC_ERROR_SEND_TIMEOUT_S = 1.0  # best-effort ERROR frame before closing a misbehaving connection
+FABRIC_ACCEPT_BACKLOG = 128  # listen() backlog / memory-network accept queue
+
+# --- planner (grouped write) ----------------------------------------------------------
+PLAN_CACHE_ENTRIES_MAX = 16  # plans kept for repeating chunk patterns (LRU): one per distinct round shape
+PLAN_MODELS_MAX = 4  # compiled LPs kept (LRU), one per node count
+PLAN_SOLVER_TIME_LIMIT_S = 10.0  # HiGHS gives up on one LP after this
+PLAN_IMPROVE_MOVES_MAX = 2000  # local-search moves after rounding one plan
+PLAN_IMPROVE_CANDIDATES = 32  # chunks tried per local-search move
+PLAN_IMPROVE_GAP = 1e-3  # stop the local search once within 0.1% of the LP bound
