@@ -78,7 +78,9 @@ CONTROL_CLIENTS_MAX = 16
 CONTROL_CALL_TIMEOUT_S = 10.0
 WAIT_POLL_S = 0.2  # `aiturbo wait` refresh period
 
-# --- daemon start -------------------------------------------------------------------
+# --- daemon start
+MALLOC_MMAP_THRESHOLD_BYTES = 4 * MiB  # glibc: 1 MiB request buffers from the heap; 8 MiB chunk buffers still mmap
+MALLOC_TRIM_THRESHOLD_BYTES = 128 * MiB  # glibc: keep this much freed heap (part of the RSS overhead)
 MOUNT_READY_TIMEOUT_S = 60.0  # parent waits this long for the daemon's mount
 
 # --- fabric (peer data plane) -------------------------------------------------------

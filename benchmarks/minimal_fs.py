@@ -3,6 +3,7 @@
 
     python benchmarks/minimal_fs.py MOUNTPOINT [--direct-io wronly|writable|none]
                                                [--read-ahead-kb 1024] [--no-xattr]
+                                               [--recycle-mib N]
 
 Runs in the foreground until SIGTERM/SIGINT or an external unmount, then
 unmounts.  One flat root directory of regular files; each file is one
@@ -26,6 +27,11 @@ Mounted under the conditions of aiturbofs where they change the data path:
   xattrs: the kernel then asks for ``security.capability`` before every
   cached write(2).  ``--no-xattr`` answers ENOSYS once and the kernel stops
   asking (a higher, unreachable-for-aiturbofs ceiling).
+
+Memory: by default every new file gets fresh anonymous memory, so writes pay
+first-touch page faults (expensive in these VMs).  ``--recycle-mib N`` keeps
+the maps of deleted files (up to N MiB) and hands them to new files: the
+"warm memory" ceiling, comparable to aiturbofs' recycled chunk buffers.
 """
 
 import argparse
@@ -59,11 +65,11 @@ def _anonymous(size: int) -> mmap.mmap:
 class File:
     __slots__ = ("ino", "name", "mode", "uid", "gid", "size", "buf", "nlink", "opens", "atime_ns", "mtime_ns", "ctime_ns")
 
-    def __init__(self, ino: int, name: bytes, mode: int, uid: int, gid: int):
+    def __init__(self, ino: int, name: bytes, mode: int, uid: int, gid: int, buf: mmap.mmap | None):
         now = time.time_ns()
         self.ino, self.name, self.mode, self.uid, self.gid = ino, name, mode, uid, gid
         self.size = 0
-        self.buf = _anonymous(FIRST_CAPACITY_BYTES)
+        self.buf = buf if buf is not None else _anonymous(FIRST_CAPACITY_BYTES)
         self.nlink = 1
         self.opens = 0
         self.atime_ns = self.mtime_ns = self.ctime_ns = now
@@ -88,10 +94,12 @@ class MinimalFS(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, direct_io: str, xattr: bool):
+    def __init__(self, direct_io: str, xattr: bool, recycle_bytes: int = 0):
         super().__init__()
         self.direct_io = direct_io
         self.xattr = xattr
+        self.recycle_bytes = recycle_bytes
+        self.free: list[mmap.mmap] = []  # maps of deleted files, kept warm (--recycle-mib)
         self.files: dict[int, File] = {}
         self.names: dict[bytes, int] = {}
         self.handles: dict[int, tuple[File, bool]] = {}
@@ -167,10 +175,9 @@ class MinimalFS(pyfuse3.Operations):
 
     @staticmethod
     def _truncate(f: File, size: int) -> None:
-        if size < f.size:
-            f.buf[size : f.size] = bytes(f.size - size)  # later growth must read zeros
-        else:
+        if size > f.size:
             f.reserve(size)
+            f.buf[f.size : size] = bytes(size - f.size)  # a recycled map holds old bytes
         f.size = size
         f.mtime_ns = time.time_ns()
 
@@ -193,7 +200,7 @@ class MinimalFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOTSUP)
         if name in self.names:
             raise pyfuse3.FUSEError(errno.EEXIST)
-        f = File(self.next_ino, name, stat.S_IFREG | (mode & 0o7777), ctx.uid, ctx.gid)
+        f = File(self.next_ino, name, stat.S_IFREG | (mode & 0o7777), ctx.uid, ctx.gid, self.free.pop() if self.free else None)
         self.next_ino += 1
         self.files[f.ino] = f
         self.names[name] = f.ino
@@ -212,7 +219,11 @@ class MinimalFS(pyfuse3.Operations):
         # unopened file can go now (a later getattr of it answers ENOENT).
         if f.nlink == 0 and f.opens == 0:
             del self.files[f.ino]
-            f.buf.close()
+            if sum(len(b) for b in self.free) + len(f.buf) <= self.recycle_bytes:
+                self.free.append(f.buf)
+                self.free.sort(key=len)  # pop() hands out the largest
+            else:
+                f.buf.close()
 
     async def opendir(self, inode, ctx):
         if inode != ROOT:
@@ -262,9 +273,9 @@ class MinimalFS(pyfuse3.Operations):
         end = off + len(buf)
         if end > len(f.buf):
             f.reserve(end)
-        # a gap before ``off`` reads as zeros: fresh mmap memory is zeroed and
-        # _truncate re-zeroes what it cuts off
         f.buf[off:end] = buf
+        if off > f.size:
+            f.buf[f.size : off] = bytes(off - f.size)  # a hole reads as zeros
         if end > f.size:
             f.size = end
         return len(buf)
@@ -329,18 +340,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="which handles get direct_io: O_WRONLY ones (aiturbofs' rule, default), all writable ones, or none")
     p.add_argument("--read-ahead-kb", type=int, default=READ_AHEAD_KB, help="0 leaves the kernel default (128)")
     p.add_argument("--no-xattr", action="store_true", help="answer getxattr with ENOSYS (the kernel stops asking)")
+    p.add_argument("--recycle-mib", type=int, default=0,
+                   help="keep up to this many MiB of deleted files' maps warm for new files (default 0: fresh memory per file)")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     mountpoint = os.path.abspath(args.mountpoint)
-    ops = MinimalFS(args.direct_io, xattr=not args.no_xattr)
+    ops = MinimalFS(args.direct_io, xattr=not args.no_xattr, recycle_bytes=args.recycle_mib << 20)
     opts = set(pyfuse3.default_options)
     opts.add("fsname=minimalfs")
     opts.add("subtype=minimalfs")
     pyfuse3.init(ops, mountpoint, opts)
-    log.info("mounted at %s (direct_io=%s, read_ahead_kb=%s, xattr=%s)", mountpoint, args.direct_io,
-             args.read_ahead_kb or "default", not args.no_xattr)
+    log.info("mounted at %s (direct_io=%s, read_ahead_kb=%s, xattr=%s, recycle_mib=%d)", mountpoint, args.direct_io,
+             args.read_ahead_kb or "default", not args.no_xattr, args.recycle_mib)
     try:
         trio.run(_serve, mountpoint, args.read_ahead_kb)
     finally:

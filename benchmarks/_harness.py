@@ -1,0 +1,202 @@
+"""Shared plumbing of the benchmark scripts: mounts, cleanup, tables, results.
+
+Every mount or process made here is registered on an ``ExitStack`` by the
+caller, so a failure, Ctrl-C or SIGTERM still unmounts, kills what was started
+(by pid, never by name) and removes temp dirs.  The aiturbofs mount and the
+moto server are the test suite's own helpers (``tests/mounting.py``,
+``tests/s3server.py``), so benchmarks start them exactly as the tests do.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(BENCH_DIR)
+RESULTS_DIR = os.path.join(BENCH_DIR, "results")
+MINIMAL_FS = os.path.join(BENCH_DIR, "minimal_fs.py")
+MOUNT_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 600.0  # aiturbofs drains its persist queue at unmount
+
+sys.path.insert(0, os.path.join(REPO, "tests"))
+from mounting import Mount, is_mounted  # noqa: E402  (the tests' own mount helper)
+
+__all__ = [
+    "Mount", "is_mounted", "MinimalMount", "TmpfsMount", "temp_dir", "sigterm_as_interrupt",
+    "median", "markdown_table", "save_results", "wait_durable", "aiturbo_state", "REPO",
+]
+
+
+def sigterm_as_interrupt() -> None:
+    """Make SIGTERM unwind like Ctrl-C, so every ``finally`` runs."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def temp_dir(prefix: str) -> str:
+    return tempfile.mkdtemp(prefix=prefix)
+
+
+def remove_tree(path: str) -> None:
+    """rm -rf that refuses to descend into anything still mounted."""
+    with open("/proc/self/mountinfo") as f:
+        mounted = [line.split()[4] for line in f]
+    if any(m == path or m.startswith(path.rstrip("/") + "/") for m in mounted):
+        print(f"warning: {path} still has a mount below it; left in place", file=sys.stderr)
+        return
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _wait_mounted(path: str, proc: subprocess.Popen | None, what: str, log_path: str | None) -> None:
+    deadline = time.monotonic() + MOUNT_TIMEOUT_S
+    while not is_mounted(path):
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}: {_tail(log_path)}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not mount {path} in {MOUNT_TIMEOUT_S:.0f} s: {_tail(log_path)}")
+        time.sleep(0.05)
+
+
+def _tail(path: str | None) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-4000:]
+    except OSError:
+        return ""
+
+
+class MinimalMount:
+    """``minimal_fs.py`` as a child process (its own session: our cleanup decides the order)."""
+
+    def __init__(self, mountpoint: str, args: list[str], log_path: str):
+        self.mountpoint = os.path.abspath(mountpoint)
+        self.args = args
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "MinimalMount":
+        os.makedirs(self.mountpoint, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, MINIMAL_FS, self.mountpoint, *self.args],
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait_mounted(self.mountpoint, self.proc, "minimal_fs", self.log_path)
+            time.sleep(0.5)  # read_ahead_kb is raised 0.3 s after INIT
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # minimal_fs unmounts on SIGTERM
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if is_mounted(self.mountpoint):
+            subprocess.run(["fusermount3", "-u", "-z", self.mountpoint], check=False, capture_output=True)
+
+
+class TmpfsMount:
+    """A private tmpfs on a temp dir (needs root)."""
+
+    def __init__(self, mountpoint: str, size_bytes: int):
+        self.mountpoint = os.path.abspath(mountpoint)
+        self.size_bytes = size_bytes
+        self.pid = None
+
+    def start(self) -> "TmpfsMount":
+        os.makedirs(self.mountpoint, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size_bytes},mode=0755", "benchtmpfs", self.mountpoint],
+                       check=True, capture_output=True)
+        return self
+
+    def stop(self) -> None:
+        if is_mounted(self.mountpoint):
+            r = subprocess.run(["umount", self.mountpoint], check=False, capture_output=True)
+            if r.returncode != 0:
+                subprocess.run(["umount", "-l", self.mountpoint], check=False, capture_output=True)
+
+
+def start_aiturbofs(backend: str, mountpoint: str, state_dir: str, options: dict, env: dict | None = None) -> Mount:
+    """mount.aiturbo -f exactly as the tests run it; ``.proc.pid`` is the daemon."""
+    return Mount(backend, mountpoint, state_dir, options, env=env).start(timeout_s=MOUNT_TIMEOUT_S)
+
+
+def stop_aiturbofs(m: Mount) -> None:
+    try:
+        m.stop(timeout_s=STOP_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - a failed drain must not leave the mount
+        print(f"warning: aiturbofs stop: {exc!r}", file=sys.stderr)
+        m.kill()
+
+
+def aiturbo_state(path: str) -> str:
+    return os.getxattr(path, "user.aiturbo.state").decode()
+
+
+def wait_durable(paths: list[str], timeout_s: float, poll_s: float = 0.02) -> float:
+    """Poll ``user.aiturbo.state`` until every path is durable; returns seconds waited."""
+    start = time.monotonic()
+    pending = list(paths)
+    while pending:
+        pending = [p for p in pending if aiturbo_state(p) != "durable"]
+        if not pending:
+            break
+        for p in pending:
+            if aiturbo_state(p) == "broken":
+                raise RuntimeError(f"{p} became broken")
+        if time.monotonic() - start > timeout_s:
+            raise RuntimeError(f"not durable after {timeout_s:.0f} s: {pending}")
+        time.sleep(poll_s)
+    return time.monotonic() - start
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def machine_info() -> dict:
+    fio = subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip() if shutil.which("fio") else None
+    return {"kernel": os.uname().release, "cpus": os.cpu_count(), "python": sys.version.split()[0], "fio": fio,
+            "load_avg": os.getloadavg()}
+
+
+def save_results(name: str, table: str, data: dict) -> tuple[str, str]:
+    """Write ``results/<name>-<timestamp>.{md,json}``; returns both paths."""
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    md = os.path.join(RESULTS_DIR, f"{name}-{stamp}.md")
+    js = os.path.join(RESULTS_DIR, f"{name}-{stamp}.json")
+    with open(md, "w") as f:
+        f.write(table + "\n")
+    with open(js, "w") as f:
+        json.dump({"machine": machine_info(), **data}, f, indent=1)
+    return md, js
