@@ -79,6 +79,7 @@ CONTROL_CALL_TIMEOUT_S = 10.0
 WAIT_POLL_S = 0.2  # `aiturbo wait` refresh period
 
 # --- daemon start
+BACKGROUND_NICE = 10  # worker threads doing bulk work yield to the FUSE thread
 MALLOC_MMAP_THRESHOLD_BYTES = 4 * MiB  # glibc: 1 MiB request buffers from the heap; 8 MiB chunk buffers still mmap
 MALLOC_TRIM_THRESHOLD_BYTES = 128 * MiB  # glibc: keep this much freed heap (part of the RSS overhead)
 MOUNT_READY_TIMEOUT_S = 60.0  # parent waits this long for the daemon's mount

@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 
 import trio
 
+from .._threads import background
+
 from .._errors import BackendError, BackendNotFound, ConfigError, TransientBackendError
 from .._limits import BACKEND_CALL_TIMEOUT_S, BACKEND_COPY_PART_BYTES, CHUNK_BYTES, PATH_BYTES_MAX
 
@@ -159,7 +161,7 @@ async def run_sync(
     """
     try:
         with trio.fail_after(timeout_s):
-            return await trio.to_thread.run_sync(fn, *args, limiter=limiter, cancellable=cancellable)
+            return await trio.to_thread.run_sync(background, fn, *args, limiter=limiter, cancellable=cancellable)
     except trio.TooSlowError:
         raise TransientBackendError(f"{what}: no answer within {timeout_s:g} s") from None
 

@@ -302,12 +302,24 @@ def _temp_name(basename: str) -> str:
     return head + os.fsdecode(tail)
 
 
+# Directories emptied by a move or delete are removed (``remove_dir``) while
+# other calls run in other threads: a parent just made may vanish before it
+# is used, so the steps that need it are tried again this many times.
+_DIR_RACE_TRIES = 3
+
+
 def _create_temp_sync(path: str) -> tuple[str, int]:
     parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
     tmp_path = os.path.join(parent, _temp_name(os.path.basename(path)))
-    fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-    return tmp_path, fd
+    for attempt in range(_DIR_RACE_TRIES):
+        os.makedirs(parent, exist_ok=True)
+        try:
+            fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            return tmp_path, fd
+        except FileNotFoundError:
+            if attempt == _DIR_RACE_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _copy_range_sync(src_path: str, dst_fd: int, src_offset: int, dst_offset: int, length: int) -> int:
@@ -358,11 +370,20 @@ def _fsync_dir(path: str) -> None:
 
 def _move_sync(src: str, dst: str) -> None:
     os.stat(src)  # a missing source must not be reported as a missing target parent
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
-    os.replace(src, dst)
+    for attempt in range(_DIR_RACE_TRIES):
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        try:
+            os.replace(src, dst)
+            break
+        except FileNotFoundError:
+            if attempt == _DIR_RACE_TRIES - 1 or not os.path.lexists(src):
+                raise
     _fsync_dir(os.path.dirname(dst))
     if os.path.dirname(src) != os.path.dirname(dst):
-        _fsync_dir(os.path.dirname(src))
+        try:
+            _fsync_dir(os.path.dirname(src))
+        except FileNotFoundError:
+            pass  # emptied by this move and removed meanwhile: the move itself is done
 
 
 def _unlink_sync(path: str) -> None:

@@ -119,22 +119,28 @@ def _print_status(s: dict) -> None:
 def cmd_status(args) -> int:
     from ..node._control import call
 
-    sockets = _sockets(args.mountpoint)
-    if not sockets:
-        print("aiturbo status: no running aiturbofs daemon found", file=sys.stderr)
-        return 1
     code = 0
-    for path in sockets:
+    shown = 0
+    for path in _sockets(args.mountpoint):
         try:
             s = call(path, {"cmd": "status"})
         except OSError as exc:
+            if not args.mountpoint and isinstance(exc, (ConnectionRefusedError, FileNotFoundError)):
+                # Listing every daemon: nobody listens on a socket left by a
+                # daemon that was killed (-9) or just exited.  It is no running
+                # daemon, and reporting it made every later status exit 1.
+                continue
             print(f"aiturbo status: {path}: {exc.strerror or exc}", file=sys.stderr)
             code = 1
             continue
+        shown += 1
         if args.json:
             print(json.dumps(s))
         else:
             _print_status(s)
+    if not shown and not code:
+        print("aiturbo status: no running aiturbofs daemon found", file=sys.stderr)
+        return 1
     return code
 
 

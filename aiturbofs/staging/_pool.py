@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import trio
 
+from .._threads import background
 from .._limits import CHUNK_BYTES, FREE_BUFFERS_KEPT_MAX, SPILL_WAIT_S, WARM_BUFFERS_TARGET
 from ._spill import SpillStore
 
@@ -265,7 +266,7 @@ class StagingPool:
             ):
                 self.used_bytes += CHUNK_BYTES
                 try:
-                    buf = await trio.to_thread.run_sync(self._touched_buffer)
+                    buf = await trio.to_thread.run_sync(background, self._touched_buffer)
                 except BaseException:
                     self.used_bytes -= CHUNK_BYTES
                     raise

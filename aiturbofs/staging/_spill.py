@@ -6,6 +6,7 @@ file is verified against its name (its BLAKE3 digest) when read back.  The
 spill store knows nothing of files or the pool; it only keeps bytes by hash.
 """
 
+import itertools
 import logging
 import os
 
@@ -13,6 +14,7 @@ import trio
 
 from .. import chunk
 from .._errors import IntegrityError
+from .._threads import background
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +27,7 @@ class SpillStore:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self._limiter = trio.CapacityLimiter(2)
         self._lengths: dict[bytes, int] = {}
+        self._tmp_ids = itertools.count()
         for name in os.listdir(directory):
             if name.endswith(".tmp"):
                 os.unlink(os.path.join(directory, name))  # torn write from a crash
@@ -51,22 +54,31 @@ class SpillStore:
 
     def _write_sync(self, key: bytes, data) -> None:
         path = self._path(key)
-        tmp = path + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # A temp name of its own per write: the pool may spill one chunk from
+        # two tasks at once (the background spiller and a waiting writer).
+        # With one shared name, the second O_TRUNC emptied the first's file,
+        # which the first then renamed into place half-written; the next read
+        # failed verification and removed the only copy of a staged chunk.
+        tmp = f"{path}.{next(self._tmp_ids)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)  # e.g. ENOSPC: no torn temp file left to fill the disk
+            raise
 
     async def write(self, key: bytes, data) -> None:
         """Store ``data`` under ``key``; raises OSError (e.g. ENOSPC) on failure."""
         if key in self._lengths:
             return
-        await trio.to_thread.run_sync(self._write_sync, key, data, limiter=self._limiter)
+        await trio.to_thread.run_sync(background, self._write_sync, key, data, limiter=self._limiter)
         self._lengths[key] = len(data)
 
     def _read_sync(self, key: bytes) -> bytes:

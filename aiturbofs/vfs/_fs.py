@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import trio
 
 from .. import chunk
+from .._threads import background
 from .._errors import (
     AiturboError,
     BrokenFile,
@@ -206,7 +207,7 @@ class Filesystem:
         if node.row.nlink == 0:
             self._drop_content(node)
             del self._inodes[node.ino]
-            self.persister.enqueue(node.ino)  # deletes backend copies, then the row
+            self.persister.enqueue(node.ino, moved=True)  # deletes backend copies, then the row
             return
         content = node.content
         if content is not None and (content.dirty or self._has_pins(content)):
@@ -265,6 +266,10 @@ class Filesystem:
             if size > FILE_SIZE_BYTES_MAX:
                 raise FileTooBig(f"size {size} exceeds {FILE_SIZE_BYTES_MAX}")
             content = await self._content(node)
+            if size and node.row.manifest is None and any(s is not None and s.is_external for s in content.slots):
+                # an imported file gets its manifest first, as open for
+                # writing does: commit cannot describe unhashed chunks
+                await self._hash_external(node, content)
             await self._truncate(node, content, size)
             node.row.mtime_ns = mtime_ns if mtime_ns is not None else now
             if fh is None and node.opens == 0:
@@ -353,7 +358,7 @@ class Filesystem:
         node = self._remember(row)
         node.lookups += 1
         if stat.S_ISREG(row.mode):
-            self.persister.enqueue(ino)  # the backend gets a copy at the new path
+            self.persister.enqueue(ino, moved=True)  # the backend gets a copy at the new path
         return self._attr(node)
 
     async def unlink(self, parent: int, name: bytes) -> None:
@@ -364,7 +369,7 @@ class Filesystem:
             node.row.ctime_ns = row.ctime_ns
             await self._maybe_drop(node)
         if row.nlink > 0 or node is None:
-            self.persister.enqueue(row.ino)
+            self.persister.enqueue(row.ino, moved=True)
 
     async def rmdir(self, parent: int, name: bytes) -> None:
         await self.importer.refresh_named(parent, name)
@@ -382,21 +387,29 @@ class Filesystem:
         await self.importer.refresh(new_parent)
         moved = await self.meta.lookup(parent, name)
         other = None if noreplace else await self._lookup_or_none(new_parent, new_name)
+        old_path = None  # a moved directory's backend path, cleaned up once its files moved out
+        if stat.S_ISDIR(moved.mode) and not exchange:
+            above = await self.meta.paths_of(parent)
+            if above:
+                n = name.decode("utf-8", "surrogateescape")
+                old_path = f"{above[0]}/{n}" if above[0] else n
         replaced = await self.meta.rename(parent, name, new_parent, new_name, noreplace=noreplace, exchange=exchange)
         for row in (moved, other):
             if row is None:
                 continue
             if stat.S_ISDIR(row.mode):
-                await self.persister.enqueue_tree(row.ino)
+                if replaced is not None and replaced.ino == row.ino:
+                    continue  # a replaced empty directory: deleted, nothing below it
+                await self.persister.enqueue_tree(row.ino, old_path if row is moved else None)
             else:
-                self.persister.enqueue(row.ino)
+                self.persister.enqueue(row.ino, moved=True)
         if replaced is not None and not exchange:
             node = self._inodes.get(replaced.ino)
             if node is not None:
                 node.row.nlink = replaced.nlink
                 await self._maybe_drop(node)
             else:
-                self.persister.enqueue(replaced.ino)
+                self.persister.enqueue(replaced.ino, moved=True)
 
     async def _lookup_or_none(self, parent: int, name: bytes) -> InodeRow | None:
         try:
@@ -498,7 +511,15 @@ class Filesystem:
         if row.state == STATE_BROKEN and (flags & os.O_ACCMODE) == os.O_RDONLY:
             raise BrokenFile(f"inode {ino} is broken: its data was lost before it became durable")
         content = await self._content(node)
-        if (flags & os.O_ACCMODE) != os.O_RDONLY and row.manifest is None and any(s is not None and s.is_external for s in content.slots):
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        if writable and flags & os.O_TRUNC:
+            # libfuse enables atomic_o_trunc: the kernel passes O_TRUNC here
+            # and sends no truncating setattr, so open itself empties the file
+            # (without it, torch.save over a longer file left its old tail).
+            if content.size:
+                await self._truncate(node, content, 0)
+                node.row.mtime_ns = _now_ns()
+        elif writable and row.manifest is None and any(s is not None and s.is_external for s in content.slots):
             await self._hash_external(node, content)
         handle = self._open_handle(node, flags)
         keep = node.cached_version == row.version and not content.dirty
@@ -550,6 +571,15 @@ class Filesystem:
         length = len(data)
         if offset + length > FILE_SIZE_BYTES_MAX:
             raise FileTooBig(f"write past {FILE_SIZE_BYTES_MAX} bytes")
+        if offset >= content.size and content.size % CHUNK_BYTES:
+            last = (content.size - 1) // CHUNK_BYTES
+            slot = content.slot_at(last)
+            if last < offset // CHUNK_BYTES and slot is not None and slot.buf is None:
+                # The write skips the old short tail chunk, which now grows to a
+                # full chunk of zeros: reopen it, as a growing truncate does (its
+                # sealed hash covers only the old length: the upload failed and
+                # the file was marked broken).
+                await self._writable_slot(node, content, last, 0)
         view = memoryview(data)
         for index, start, count, done in chunk.spans(offset, length):
             slot = content.slot_at(index)
@@ -559,7 +589,9 @@ class Filesystem:
             buf = slot.buf
             if start > slot.filled:
                 buf[slot.filled : start] = bytes(start - slot.filled)
-            buf[start:end] = view[done : done + count]
+            # through a memoryview: bytearray slice assignment from another
+            # buffer first copies it into a temporary (a fresh 1 MiB malloc)
+            memoryview(buf)[start:end] = view[done : done + count]
             if end > slot.filled:
                 slot.filled = end
             slot.seq += 1
@@ -663,7 +695,7 @@ class Filesystem:
         seq = slot.seq
         view = memoryview(slot.buf)[:length]
         if length > HASH_INLINE_BYTES_MAX:
-            key = await trio.to_thread.run_sync(chunk.digest, view)
+            key = await trio.to_thread.run_sync(background, chunk.digest, view)
         else:
             key = chunk.digest(view)
         if content.slot_at(index) is not slot or slot.seq != seq or slot.buf is None or chunk.chunk_length(content.size, index) != length:
@@ -771,7 +803,9 @@ class Filesystem:
         if not keys:
             raise BrokenFile(f"inode {node.ino} has no data in the backend")
         etag = (node.row.backend_etag or "").encode()
-        cache_key = chunk.digest(b"external\0" + keys[0].encode() + b"\0" + etag + b"\0" + str(index).encode())
+        # surrogateescape: keys of non-UTF-8 names hold lone surrogates
+        key = keys[0].encode("utf-8", "surrogateescape")
+        cache_key = chunk.digest(b"external\0" + key + b"\0" + etag + b"\0" + str(index).encode())
 
         async def fetch() -> bytes:
             data = await self.backend.read_range(keys[0], index * CHUNK_BYTES, length)
@@ -828,7 +862,15 @@ class Filesystem:
         node = self._inodes.get(row.ino)
         if node is None:
             node = self._inodes[row.ino] = Inode(row)
-        node.content = FileContent.from_manifest(row.size, row.manifest, pinned=True)
+        content = FileContent.from_manifest(row.size, row.manifest, pinned=True)
+        # Recovery pinned exactly the chunks found in the spill store.  The
+        # others are unchanged since the last durable version (or lost): they
+        # hold no pin, and unpinning them at durable/broken raised "unpin
+        # without pin", which skipped the rest of the unpins and the wake-up.
+        for slot in content.slots:
+            if slot is not None and slot.key not in self.pool.spill:
+                slot.pinned = False
+        node.content = content
 
     async def wait_durable(self, ino: int) -> None:
         """Block until the committed version of ``ino`` is durable (future 1)."""

@@ -22,6 +22,18 @@ from ..meta import ROOT_INO, STATE_DURABLE, InodeRow
 log = logging.getLogger(__name__)
 
 
+def _with_dirs(keys: set[str]) -> set[str]:
+    """``keys`` and every directory above them."""
+    out = set(keys)
+    for key in keys:
+        while "/" in key:
+            key = key.rpartition("/")[0]
+            if key in out:
+                break
+            out.add(key)
+    return out
+
+
 class Importer:
     def __init__(self, fs):
         self.fs = fs
@@ -53,6 +65,7 @@ class Importer:
     async def _import(self, dir_row: InodeRow) -> None:
         meta = self.fs.meta
         started = time.time_ns()
+        listed_at = time.monotonic()
         if dir_row.ino == ROOT_INO:
             prefix = ""
         else:
@@ -60,12 +73,9 @@ class Importer:
             if not paths:
                 return
             prefix = paths[0]
-        try:
-            infos = await self.fs.backend.list_dir(prefix)
-        except BackendError as exc:
-            log.warning("import of %r from the backend failed: %s", prefix or "/", exc)
-            await meta.set_attrs(dir_row.ino, imported_ns=started)
-            return
+        # The namespace is read BEFORE the backend is listed: a file that
+        # becomes durable while the listing runs must not look like a durable
+        # file whose object vanished (it was removed from the namespace).
         existing = {}
         offset = 0
         while True:
@@ -74,7 +84,14 @@ class Importer:
                 break
             for name, row, offset in batch:
                 existing[name] = row
+        try:
+            infos = await self.fs.backend.list_dir(prefix)
+        except BackendError as exc:
+            log.warning("import of %r from the backend failed: %s", prefix or "/", exc)
+            await meta.set_attrs(dir_row.ino, imported_ns=started)
+            return
         listed = set()
+        claimed: set[str] | None = None
         for info in infos[:LIST_ENTRIES_MAX]:
             name = info.key.rsplit("/", 1)[-1].encode("utf-8", "surrogateescape")
             if not name or name in (b".", b"..") or b"\0" in name or len(name) > NAME_BYTES_MAX:
@@ -83,6 +100,13 @@ class Importer:
             listed.add(name)
             row = existing.get(name)
             if row is None:
+                # An object the namespace no longer names but the persister has
+                # yet to delete or move away (unlink, rename, rm -rf) is not a
+                # new file: importing it would bring deleted files back.
+                if claimed is None:
+                    claimed = _with_dirs(await self.fs.persister.claimed_keys(listed_at))
+                if info.key in claimed:
+                    continue
                 await self._create(dir_row, name, info)
             elif row.state == STATE_DURABLE and not info.is_dir:
                 await self._maybe_update(row, info)
@@ -114,6 +138,9 @@ class Importer:
     async def _maybe_update(self, row: InodeRow, info) -> None:
         if info.etag is None or info.etag == row.backend_etag or row.backend_keys != [info.key]:
             return
+        fresh = await self.fs.meta.get_inode(row.ino)
+        if fresh.version != row.version or fresh.state != STATE_DURABLE or fresh.backend_etag != row.backend_etag:
+            return  # persisted through the mount since the namespace was read: not an outside change
         node = self.fs._cached(row.ino)
         if node is not None and (node.opens or (node.content is not None and node.content.dirty)):
             return
@@ -128,8 +155,12 @@ class Importer:
         node = self.fs._cached(row.ino)
         if node is not None and node.opens:
             return
-        log.info("import: %s vanished from the backend; removing it", row.backend_keys[0])
         try:
+            # the name may have been given to another file since the listing
+            current = await self.fs.meta.lookup(parent, name)
+            if current.ino != row.ino or current.state != STATE_DURABLE or current.backend_keys != row.backend_keys:
+                return
+            log.info("import: %s vanished from the backend; removing it", row.backend_keys[0])
             gone = await self.fs.meta.unlink(parent, name)
         except NotFound:
             return

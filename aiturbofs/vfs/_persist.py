@@ -17,6 +17,9 @@ only deleted if no live inode's path names it.
 
 import collections
 import logging
+import os
+import secrets
+import stat
 import time
 from contextlib import asynccontextmanager
 
@@ -36,6 +39,38 @@ from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STAT
 log = logging.getLogger(__name__)
 
 DRAIN_LOG_PERIOD_S = 5.0
+# How long a backend key removed or moved away is remembered, so that an
+# import whose listing started before the removal does not bring it back.
+VACATED_KEEP_S = 600.0
+# A file whose backend name another file still has to move away from waits
+# this long before it tries again (see ``_defer``).
+DEFER_RETRY_S = 0.1
+# Hidden name prefix of an object moved out of the way (see ``_defer``).
+ASIDE_PREFIX = ".aiturbo-aside."
+
+
+def _one_error(group: BaseExceptionGroup) -> BaseException:
+    """The one error a failed multi-part upload stands for.
+
+    An outage fails every part in flight at once, and the nursery then
+    raises an exception group, which ``_persist_with_retry`` (catching
+    ``TransientBackendError`` etc.) did not recognise: the file was neither
+    retried nor marked broken, but left ``persisting`` and out of the queue,
+    so unmount's drain called it done.  A permanent error wins over a
+    transient one; a group holding anything else (a bug, a cancellation)
+    is returned as it is.
+    """
+    leaves, stack = [], [group]
+    while stack:
+        exc = stack.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            stack.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    if not leaves or not all(isinstance(e, AiturboError) for e in leaves):
+        return group
+    permanent = [e for e in leaves if not isinstance(e, TransientBackendError)]
+    return (permanent or leaves)[0]
 
 
 class Persister:
@@ -54,6 +89,12 @@ class Persister:
         self._idle = trio.Event()
         self._idle.set()
         self._key_locks: dict[str, list] = {}
+        self._vacated: dict[str, float] = {}  # backend key/dir -> monotonic time it went away
+        self._publishing: dict[str, int] = {}  # backend key -> inode writing it, until its state records it
+        # Queued inodes whose names changed (see enqueue) -> (live, backend_keys)
+        # as last read, or a fresh ``object()`` until read; only the inode's
+        # own job changes its keys, and a job start or a new enqueue forgets them.
+        self._moved: dict[int, object] = {}
         self.bytes_uploaded = 0
         self.bytes_fetched = 0
         self.files_durable = 0
@@ -61,35 +102,59 @@ class Persister:
         self.retries = 0
 
     # ------------------------------------------------------------------ queue
-    def enqueue(self, ino: int) -> None:
+    def enqueue(self, ino: int, *, moved: bool = False) -> None:
+        """Reconcile ``ino`` soon.  ``moved``: its names changed (rename, link,
+        unlink), so its backend objects may sit at names it no longer has
+        until this job moves or deletes them (see ``_holder``)."""
+        if moved:
+            self._moved[ino] = object()
         if ino in self._running:
             self._rerun.add(ino)
         else:
             self._pending[ino] = None
         self._idle = trio.Event() if self._idle.is_set() else self._idle
-        self._work.set()
+        self._wake()
 
-    async def enqueue_tree(self, dir_ino: int) -> None:
-        """Reconcile every file below a renamed directory."""
-        stack = [dir_ino]
+    async def enqueue_tree(self, dir_ino: int, old_path: str | None = None) -> None:
+        """Reconcile every file below a renamed directory.
+
+        ``old_path``: the directory's backend path before the rename.  Its
+        backend directories are then removed where empty, deepest first (the
+        ones still holding files go when the last file has moved out, see
+        ``_prune_dirs``); an empty one left behind showed up again at import.
+        """
+        stack = [(dir_ino, old_path)]
+        old_dirs = []
         while stack:
-            ino = stack.pop()
+            ino, old = stack.pop()
+            if old is not None:
+                old_dirs.append(old)
             offset = 0
             while True:
                 entries = await self.meta.readdir(ino, offset, 512)
                 if not entries:
                     break
-                for _, row, offset in entries:
+                for name, row, offset in entries:
                     if row.state is not None:
-                        self.enqueue(row.ino)
-                    elif row.target is None and row.mode & 0o040000:
-                        stack.append(row.ino)
+                        self.enqueue(row.ino, moved=True)
+                    elif stat.S_ISDIR(row.mode):  # not a bit test: sockets and block devices share the bit
+                        stack.append((row.ino, None if old is None else f"{old}/{os.fsdecode(name)}"))
+        for old in reversed(old_dirs):  # children were found after their parents
+            self.enqueue_dir_cleanup(old)
 
     def enqueue_dir_cleanup(self, path: str) -> None:
         """Remove the (now empty) backend directory of a removed directory."""
         self._dirs_to_clean.append(path)
         self._idle = trio.Event() if self._idle.is_set() else self._idle
+        self._wake()
+
+    def _wake(self) -> None:
+        # Whoever signals replaces the event, so every waiter of this
+        # generation wakes.  (Waiters replacing it themselves left the other
+        # workers and the dir cleaner waiting on orphaned events: the cleaner
+        # then never ran again and unmount's drain waited forever.)
         self._work.set()
+        self._work = trio.Event()
 
     def queue_length(self) -> int:
         return len(self._pending) + len(self._running)
@@ -109,7 +174,6 @@ class Persister:
             if not self._running and not self._dirs_to_clean:
                 self._idle.set()
             await self._work.wait()
-            self._work = trio.Event()
         ino, _ = self._pending.popitem(last=False)
         return ino
 
@@ -117,6 +181,8 @@ class Persister:
         while True:
             ino = await self._next()
             self._running.add(ino)
+            if ino in self._moved:
+                self._moved[ino] = object()
             try:
                 await self._persist_with_retry(ino)
             except Exception as exc:  # a bug: keep persisting the other files
@@ -127,18 +193,21 @@ class Persister:
                 if ino in self._rerun:
                     self._rerun.discard(ino)
                     self._pending[ino] = None
-                self._work.set()
+                else:
+                    self._moved.pop(ino, None)  # reconciled: its objects are at its names
+                self._wake()
 
     async def _dir_cleaner(self) -> None:
         while True:
             while not self._dirs_to_clean:
                 await self._work.wait()
-            path = self._dirs_to_clean.pop(0)
+            path = self._dirs_to_clean[0]  # popped when done: drain waits for it
             try:
                 await self.backend.remove_dir(path)
             except BackendError as exc:
                 log.info("backend directory %s not removed: %s", path, exc)
-            self._work.set()
+            del self._dirs_to_clean[0]
+            self._wake()
 
     async def drain(self, timeout_s: float) -> list[int]:
         """Wait until the queue is empty; returns inodes still queued at the deadline."""
@@ -152,7 +221,13 @@ class Persister:
                         "drain: %d file(s) still persisting after %.0f s (%d bytes uploaded so far)",
                         self.queue_length(), time.monotonic() - started, self.bytes_uploaded,
                     )
-        return self.queued()
+        left = self.queued()
+        # Trust the metadata, not only the queue: a file a bug dropped from the
+        # queue is still staged there, and must not be reported durable.
+        for row in await self.meta.inodes_in_states([STATE_STAGED, STATE_PERSISTING]):
+            if row.nlink > 0 and row.ino not in left:
+                left.append(row.ino)
+        return left
 
     # ------------------------------------------------------------- recovery
     async def recover(self) -> None:
@@ -175,7 +250,7 @@ class Persister:
             log.info("recovered inode %d (%d bytes) from spill; persisting it", row.ino, row.size)
             self.enqueue(row.ino)
         for row in await self.meta.orphans():
-            self.enqueue(row.ino)
+            self.enqueue(row.ino, moved=True)
         for k in self.pool.spill.keys():
             if not self.pool.pinned(k):
                 self.pool.spill.discard(k)
@@ -228,36 +303,128 @@ class Persister:
             if not paths:
                 await self._delete_all(row)
                 return
+            if row.state is None:
+                return  # not a regular file (a renamed symlink): nothing in the backend
             if row.state == STATE_BROKEN:
                 return
             if row.state != STATE_DURABLE or row.persisted_version != row.version:
-                await self._upload_version(row, paths)
+                try:
+                    uploaded = await self._upload_version(row, paths)
+                except (BackendError, IntegrityError):
+                    if (await self.meta.get_inode(ino)).version != row.version:
+                        # Superseded meanwhile (truncated or rewritten: the old
+                        # version's chunks may be gone): upload the new version
+                        # rather than mark it broken for the old one's failure.
+                        continue
+                    raise
+                if not uploaded:
+                    await self._defer(row, paths)
+                    return
                 continue
             if sorted(row.backend_keys) != sorted(paths):
-                await self._relocate(row, paths)
+                if not await self._relocate(row, paths):
+                    await self._defer(row, paths)
+                    return
                 continue
             return
 
-    async def _upload_version(self, row, paths: list[str]) -> None:
+    async def _holder(self, key: str, ino: int) -> int | None:
+        """Another inode whose persisted object is still at ``key`` although
+        its name is elsewhere now (a chain of renames, RENAME_EXCHANGE): it
+        has yet to move that object away, so writing ``key`` would destroy
+        its only backend copy.  Such an inode is always queued here, as moved."""
+        for other in list(self._moved):
+            if other == ino:
+                continue
+            live, keys = await self._moved_keys(other)
+            if live and key in keys:
+                return other
+        return None
+
+    async def _moved_keys(self, ino: int) -> tuple[bool, list[str]]:
+        """(linked and not broken, backend keys) of a moved inode, cached."""
+        marker = self._moved.get(ino)
+        if isinstance(marker, tuple):
+            return marker
+        try:
+            row = await self.meta.get_inode(ino)
+            known = (row.nlink > 0 and row.state != STATE_BROKEN, list(row.backend_keys))
+        except NotFound:
+            known = (False, [])
+        if ino in self._moved and self._moved[ino] is marker and ino not in self._running:
+            self._moved[ino] = known  # not while its job runs: it may change them
+        return known
+
+    async def _defer(self, row, paths: list[str]) -> None:
+        """Let the holder of one of our names move its object first.
+
+        Our own objects at names another file lives at now are moved aside to
+        hidden keys first: when files swap names (a cycle: a->tmp, b->a,
+        tmp->b, or RENAME_EXCHANGE) each holds the other's target, and one
+        of them has to give way.
+        """
+        keys = list(row.backend_keys)
+        for i, key in enumerate(keys):
+            if key in paths or not await self._path_alive(key):
+                continue
+            head, _, _ = key.rpartition("/")
+            aside = f"{head}/" if head else ""
+            aside += f"{ASIDE_PREFIX}{secrets.token_hex(8)}"
+            # Both names stay locked until the keys are recorded: an import
+            # listing meanwhile must not take the hidden name for a new file.
+            async with self._key_lock(key), self._key_lock(aside):
+                await self.backend.move(key, aside)
+                keys[i] = aside
+                await self.meta.set_attrs(row.ino, backend_keys=keys)
+            log.info("moved %s aside to %s: another file takes that name first", key, aside)
+        await trio.sleep(DEFER_RETRY_S)
+        self.enqueue(row.ino)  # runs again after this job ends
+
+    async def _claim(self, key: str, ino: int, claimed: list[str]) -> bool:
+        """Under ``key``'s lock: may ``ino`` write ``key``?  If so it is marked
+        as being written by ``ino`` (appended to ``claimed``) until the
+        caller's state update records it, so that no other file's move or
+        upload overwrites it meanwhile."""
+        if self._publishing.get(key, ino) != ino or await self._holder(key, ino) is not None:
+            return False
+        self._publishing[key] = ino
+        claimed.append(key)
+        return True
+
+    def _unclaim(self, claimed: list[str]) -> None:
+        for key in claimed:
+            self._publishing.pop(key, None)
+
+    async def _upload_version(self, row, paths: list[str]) -> bool:
+        """Upload the committed version; False if another file must move first."""
         if row.state != STATE_PERSISTING:
             if not await self.meta.set_state(row.ino, STATE_PERSISTING, if_version=row.version):
-                return
+                return True
             self.fs._notify_state(row.ino)
-        async with self._key_lock(paths[0]):
-            info = await self._upload(row, paths[0])
-        for extra in paths[1:]:
-            async with self._key_lock(extra):
-                await self.backend.copy(paths[0], extra)
-        for stale in row.backend_keys:
-            if stale not in paths:
-                await self._delete_key(stale)
-        if await self.meta.set_state(
-            row.ino, STATE_DURABLE, if_version=row.version,
-            backend_keys=paths, persisted_version=row.version, backend_etag=info.etag,
-        ):
-            self.files_durable += 1
-            log.info("durable: %s (%d bytes, version %d)", paths[0], row.size, row.version)
-            await self.fs.on_persisted(row.ino, await self.meta.get_inode(row.ino))
+        claimed: list[str] = []
+        try:
+            async with self._key_lock(paths[0]):
+                if not await self._claim(paths[0], row.ino, claimed):
+                    return False
+                info = await self._upload(row, paths[0])
+            for extra in paths[1:]:
+                async with self._key_lock(extra):
+                    if not await self._claim(extra, row.ino, claimed):
+                        return False
+                    await self.backend.copy(paths[0], extra)
+            for stale in row.backend_keys:
+                if stale not in paths:
+                    await self._delete_key(stale, row.ino)
+            if await self.meta.set_state(
+                row.ino, STATE_DURABLE, if_version=row.version,
+                backend_keys=paths, persisted_version=row.version, backend_etag=info.etag,
+            ):
+                self.files_durable += 1
+                log.info("durable: %s (%d bytes, version %d)", paths[0], row.size, row.version)
+                await self.fs.on_persisted(row.ino, await self.meta.get_inode(row.ino))
+        finally:
+            self._unclaim(claimed)
+        return True
 
     async def _upload(self, row, key: str):
         keys = chunk.unpack_manifest(row.manifest or b"")
@@ -265,10 +432,16 @@ class Persister:
         upload = await self.backend.open_upload(key)
         limiter = trio.Semaphore(PERSIST_PARTS_IN_FLIGHT)
         try:
-            async with trio.open_nursery() as nursery:
-                for index in range(n):
-                    await limiter.acquire()
-                    nursery.start_soon(self._upload_part, upload, row, keys[index], index, limiter)
+            try:
+                async with trio.open_nursery() as nursery:
+                    for index in range(n):
+                        await limiter.acquire()
+                        nursery.start_soon(self._upload_part, upload, row, keys[index], index, limiter)
+            except BaseExceptionGroup as group:
+                one = _one_error(group)
+                if one is group:
+                    raise
+                raise one from None
             info = await upload.complete(row.size)
         except BaseException:
             with trio.CancelScope(shield=True):
@@ -317,51 +490,141 @@ class Persister:
                 last = exc
         raise IntegrityError(str(last))
 
-    async def _relocate(self, row, paths: list[str]) -> None:
-        """Renamed or linked: move/copy the durable object, no re-upload."""
+    async def _relocate(self, row, paths: list[str]) -> bool:
+        """Renamed or linked: move/copy the durable object, no re-upload.
+
+        False (nothing done) if another file must move its object away from
+        one of our names first.
+        """
         src = row.backend_keys[0] if row.backend_keys else None
         if src is None:
             await self.meta.set_state(row.ino, STATE_STAGED, if_version=row.version)
-            return
-        keep = [k for k in row.backend_keys if k in paths]
+            return True
         for dst in paths:
-            if dst in row.backend_keys:
-                continue
-            async with self._key_lock(dst):
-                if keep:
-                    await self.backend.copy(keep[0], dst)
-                else:
-                    await self.backend.move(src, dst)
-                    keep = [dst]
-        for stale in row.backend_keys:
-            if stale not in paths:
-                await self._delete_key(stale)
-        await self.meta.set_state(row.ino, STATE_DURABLE, if_version=row.version, backend_keys=paths)
+            if dst not in row.backend_keys and await self._holder(dst, row.ino) is not None:
+                return False
+        keep = [k for k in row.backend_keys if k in paths]
+        current = list(row.backend_keys)  # where our objects are, as we go
+        claimed: list[str] = []
+        try:
+            for dst in paths:
+                if dst in row.backend_keys:
+                    continue
+                async with self._key_lock(dst):
+                    if not await self._claim(dst, row.ino, claimed):
+                        # lost a race with another file's move: record what moved
+                        if current != row.backend_keys:
+                            await self.meta.set_attrs(row.ino, backend_keys=current)
+                        return False
+                    if keep:
+                        await self.backend.copy(keep[0], dst)
+                        current.append(dst)
+                    else:
+                        await self.backend.move(src, dst)
+                        current[current.index(src)] = dst
+                        keep = [dst]
+            for stale in row.backend_keys:
+                if stale not in paths:
+                    await self._delete_key(stale, row.ino)
+            # Recorded whatever the version: the objects did move.  (Only under
+            # if_version, a commit racing with the move left backend_keys naming
+            # a key that no longer exists, and the next upload could not fetch
+            # unchanged chunks from it.)
+            await self.meta.set_attrs(row.ino, backend_keys=paths)
+            await self.meta.set_state(row.ino, STATE_DURABLE, if_version=row.version)
+        finally:
+            self._unclaim(claimed)
         log.info("moved in backend: %s -> %s", row.backend_keys, paths)
+        return True
 
     async def _delete_all(self, row) -> None:
         for key in row.backend_keys:
-            await self._delete_key(key)
+            await self._delete_key(key, row.ino)
         if self.fs._cached(row.ino) is None:
             await self.meta.delete_inode(row.ino)
         else:
             await self.meta.set_state(row.ino, row.state, backend_keys=[])
 
-    async def _delete_key(self, key: str) -> None:
+    async def _delete_key(self, key: str, ino: int) -> None:
+        """Delete ``ino``'s stale object at ``key`` unless it is another file's now."""
         async with self._key_lock(key):
-            if await self._path_alive(key):
-                return  # another inode owns that name now; it overwrites the object
+            owner = await self._lookup_path(key)
+            if owner is not None and owner.state is not None and (
+                key in owner.backend_keys or self._publishing.get(key) == owner.ino
+            ):
+                return  # the file that has this name now put (or is putting) its own object there
+            if self._publishing.get(key, ino) != ino or await self._holder(key, ino) is not None:
+                return  # another file's object, about to be moved from here (renamed again)
+            # Otherwise the object is stale even if a file has the name now: that
+            # file has not written it yet (it does so under this lock, later),
+            # and it may be renamed away first, which left the object orphaned
+            # for an import to bring back as a deleted file.
             await self.backend.delete(key)
+            self._note_vacated(key)
+        await self._prune_dirs(key)
 
-    async def _path_alive(self, key: str) -> bool:
+    def _note_vacated(self, key: str) -> None:
+        now = time.monotonic()
+        self._vacated.pop(key, None)
+        self._vacated[key] = now  # insertion order is time order: old ones go from the front
+        while self._vacated:
+            oldest, when = next(iter(self._vacated.items()))
+            if when >= now - VACATED_KEEP_S:
+                break
+            del self._vacated[oldest]
+
+    async def _prune_dirs(self, key: str) -> None:
+        """Remove the backend directories above ``key`` that the namespace no
+        longer has, deepest first, where they are now empty.
+
+        They are the old names of renamed or removed directories: the
+        directory's own rmdir cleanup may have run before its files were
+        moved or deleted, and an import would show them again as ghosts.
+        """
+        parent = key.rpartition("/")[0]
+        while parent:
+            row = await self._lookup_path(parent)
+            if row is not None and stat.S_ISDIR(row.mode):
+                return  # still a directory of the namespace (and so are its ancestors)
+            try:
+                await self.backend.remove_dir(parent)  # does nothing unless empty
+            except BackendError as exc:
+                log.info("backend directory %s not removed: %s", parent, exc)
+                return
+            self._note_vacated(parent)
+            parent = parent.rpartition("/")[0]
+
+    async def claimed_keys(self, since: float) -> set[str]:
+        """Backend keys the importer must not bring back as new names.
+
+        These are the keys of inodes queued here after a name change (the
+        object is about to be moved or deleted: unlinked, renamed), of unlinked inodes
+        still open or known to the kernel, keys being worked on, and keys
+        removed at or after ``since`` (a ``time.monotonic()``: when the
+        importer's listing started, so the listing may still show them).
+        """
+        keys = set(self._key_locks)
+        keys.update(key for key, when in self._vacated.items() if when >= since)
+        for node in list(self.fs._inodes.values()):
+            if node.row.nlink == 0:
+                keys.update(node.row.backend_keys)
+        for ino in list(self._moved):
+            keys.update((await self._moved_keys(ino))[1])
+        return keys
+
+    async def _lookup_path(self, key: str):
+        """The row the namespace has at backend path ``key``, or None."""
         ino = ROOT_INO
         try:
             for name in key.split("/"):
                 ino = (await self.meta.lookup(ino, name.encode("utf-8", "surrogateescape"))).ino
+            return await self.meta.get_inode(ino)
         except NotFound:
-            return False
-        row = await self.meta.get_inode(ino)
-        return row.state is not None
+            return None
+
+    async def _path_alive(self, key: str) -> bool:
+        row = await self._lookup_path(key)
+        return row is not None and row.state is not None
 
     @asynccontextmanager
     async def _key_lock(self, key: str):

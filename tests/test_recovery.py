@@ -1,0 +1,338 @@
+"""Crashes, lost DRAM, corrupted chunks and objects made by other tools.
+
+A kill -9 with a spill dir loses nothing staged; without one, what was only
+in DRAM is reported ``broken`` and never served with other bytes; a chunk
+corrupted on the spill disk or in the backend is caught by its BLAKE3 hash;
+objects written by other tools show up in the mount and their changes are
+seen after the import TTL.
+
+An outage that must keep the bucket's data freezes moto (SIGSTOP) instead of
+stopping it, since a restarted moto is empty.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import time
+
+import pytest
+import trio
+
+from aiturbofs import chunk
+from aiturbofs.staging import SpillStore
+from mounting import aiturbo, state, wait_state
+from test_durability import (  # noqa: F401  (s3, s3m, s3_outage_server are fixtures)
+    CHUNK,
+    WAIT_S,
+    MiB,
+    assert_no_bug,
+    get,
+    local_objects,
+    put,
+    s3,
+    s3_outage_server,
+    s3m,
+    sha,
+    status,
+    wait_until,
+)
+
+IMPORT_SETTLE_S = 1.6  # import_ttl=0.5 (tests' default) + the kernel's 1 s attribute cache
+# Mounts that see a frozen S3 server: no re-listing of directories, which
+# would wait out the S3 read timeout (see test_durability's xfail on that).
+NO_REIMPORT = {"import_ttl": 3600}
+
+
+def chunk_keys(data: bytes) -> list[str]:
+    """Spill file names of ``data``'s chunks."""
+    return [chunk.digest(data[i: i + CHUNK]).hex() for i in range(0, len(data), CHUNK)]
+
+
+def flip_byte(path: str, offset: int) -> None:
+    """Corrupt one byte in place, keeping size, atime and mtime."""
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x5A]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def assert_eio(path: str, offset: int = 0, length: int = -1) -> None:
+    with pytest.raises(OSError) as caught:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            f.read(length)
+    assert caught.value.errno == errno.EIO, caught.value
+
+
+def remount(s3m, m, **options):
+    """A new daemon on the crashed one's state dir (a fresh mount point)."""
+    return s3m.mount(name="again", state_dir=m.state_dir, **options)
+
+
+# ------------------------------------------------------------------ kill -9 + spill
+
+
+def test_kill9_with_spill_dir_loses_nothing(s3m, tmp_path):
+    spill = str(tmp_path / "spill")
+    m = s3m.mount(spill=spill)
+    s3m.server.stop()
+    os.mkdir(m.path("d"))
+    files = {"a.bin": secrets.token_bytes(2 * CHUNK + 5), "d/b.bin": secrets.token_bytes(CHUNK), "c.txt": b"small"}
+    for name, data in files.items():
+        put(m.path(name), data)
+    total = sum(map(len, files.values()))
+    wait_until(lambda: status(m)["pool"]["spilled_bytes"] >= total, what="every staged chunk in the spill dir")
+    assert {k for d in files.values() for k in chunk_keys(d)} <= set(os.listdir(spill))
+    m.kill()
+    s3m.server.start()
+    m2 = remount(s3m, m, spill=spill)
+    r = aiturbo("wait", m2.mountpoint, check=False, timeout=WAIT_S)
+    assert r.returncode == 0, r.stderr + m2.log()[-3000:]
+    objects = s3m.objects()
+    assert sorted(objects) == sorted(files)
+    for name, data in files.items():
+        assert sha(objects[name]) == sha(data), name
+        assert get(m2.path(name)) == data
+    assert "recovered inode" in m2.log()
+    assert_no_bug(m2.log())
+    st = wait_until(lambda: (s := status(m2))["pool"]["pinned_chunks"] == 0 and s, what="pins released")
+    assert st["pool"]["spilled_bytes"] == 0 and os.listdir(spill) == []  # durable: spill copies dropped
+
+
+def test_kill9_with_spill_dir_partial_rewrite_of_durable_file(s3m, tmp_path):
+    """Only the rewritten chunk is staged; the others come from the previous object."""
+    spill = str(tmp_path / "spill")
+    m = s3m.mount(spill=spill, **NO_REIMPORT)
+    old = secrets.token_bytes(3 * CHUNK)
+    put(m.path("p.bin"), old)
+    assert wait_state(m.path("p.bin"), "durable") == "durable"
+    s3m.server.freeze()
+    patch = secrets.token_bytes(4096)
+    with open(m.path("p.bin"), "r+b") as f:
+        f.seek(CHUNK + 10)
+        f.write(patch)
+    new = old[: CHUNK + 10] + patch + old[CHUNK + 10 + len(patch):]
+    wait_until(lambda: chunk_keys(new)[1] in os.listdir(spill), what="the rewritten chunk in the spill dir")
+    m.kill()
+    s3m.server.thaw()
+    m2 = remount(s3m, m, spill=spill)
+    r = aiturbo("wait", m2.mountpoint, check=False, timeout=WAIT_S)
+    assert r.returncode == 0, r.stderr + m2.log()[-3000:]
+    assert sha(s3m.objects()["p.bin"]) == sha(new)
+    assert get(m2.path("p.bin")) == new
+    st = wait_until(lambda: (s := status(m2))["pool"]["pinned_chunks"] == 0 and s, what="pins released")
+    assert st["pool"]["spilled_bytes"] == 0
+    assert_no_bug(m2.log())
+
+
+def test_drain_timeout_keeps_spilled_data_for_next_mount(s3m, tmp_path):
+    spill = str(tmp_path / "spill")
+    m = s3m.mount(spill=spill, drain_timeout=1)
+    s3m.server.stop()
+    data = secrets.token_bytes(CHUNK + 99)
+    put(m.path("late.bin"), data)
+    wait_until(lambda: status(m)["pool"]["spilled_bytes"] >= len(data), what="spilled")
+    assert m.stop() == 1  # unmount: the drain gives up after 1 s
+    assert "stay in the spill dir" in m.log()
+    s3m.server.start()
+    m2 = remount(s3m, m, spill=spill)
+    assert wait_state(m2.path("late.bin"), "durable", WAIT_S) == "durable"
+    assert s3m.objects() == {"late.bin": data}
+
+
+def test_status_of_all_daemons_skips_sockets_of_killed_ones(make_mount):
+    dead = make_mount(name="dead")
+    dead.kill()
+    live = make_mount(name="live")
+    r = aiturbo("status", "--json", check=False)
+    assert r.returncode == 0, r.stderr
+    shown = [json.loads(line)["mountpoint"] for line in r.stdout.splitlines()]
+    assert live.mountpoint in shown and dead.mountpoint not in shown
+    assert dead.mountpoint not in r.stderr
+    r = aiturbo("status", dead.mountpoint, check=False)  # asked by name: say it is not there
+    assert r.returncode == 1 and "Connection refused" in r.stderr
+
+
+# ---------------------------------------------------------------- kill -9, no spill
+
+
+def test_kill9_without_spill_reports_broken_never_other_bytes(s3m):
+    m = s3m.mount(**NO_REIMPORT)
+    keep, v1 = secrets.token_bytes(CHUNK + 1), secrets.token_bytes(CHUNK)
+    put(m.path("keep.bin"), keep)
+    put(m.path("over.bin"), v1)
+    assert aiturbo("wait", m.mountpoint, check=False).returncode == 0
+    s3m.server.freeze()
+    lost = {"lost1.bin": secrets.token_bytes(2 * CHUNK), "lost2.bin": b"tiny"}
+    for name, data in lost.items():
+        put(m.path(name), data)
+    put(m.path("over.bin"), secrets.token_bytes(CHUNK))  # v2 only ever in DRAM
+    m.kill()
+    s3m.server.thaw()
+    m2 = remount(s3m, m)
+    for name in lost:
+        assert state(m2.path(name)) == "broken"
+        assert_eio(m2.path(name))
+    # over.bin has an older durable object, but v2 is gone: broken, never v1.
+    assert wait_state(m2.path("over.bin"), "broken", WAIT_S) == "broken"
+    assert_eio(m2.path("over.bin"))
+    r = aiturbo("wait", m2.mountpoint, check=False, timeout=WAIT_S)
+    assert r.returncode == 1
+    for name in (*lost, "over.bin"):
+        assert f"broken: {m2.path(name)}" in r.stderr
+    assert "keep.bin" not in r.stderr.split("broken:", 1)[1]
+    assert get(m2.path("keep.bin")) == keep and state(m2.path("keep.bin")) == "durable"
+    objects = s3m.objects()
+    assert sorted(objects) == ["keep.bin", "over.bin"] and objects["over.bin"] == v1  # no partial upload published
+    log = m2.log()
+    assert "lost1.bin is broken" in log and "only in DRAM" in log
+    assert_no_bug(log)
+
+
+# ------------------------------------------------------------------- BLAKE3 checks
+
+
+def test_corrupt_spill_chunk_is_broken_not_wrong_bytes(s3m, tmp_path):
+    spill = str(tmp_path / "spill")
+    m = s3m.mount(spill=spill, **NO_REIMPORT)
+    os.listdir(m.path(""))  # the one import of the root, before the outage
+    s3m.server.freeze()
+    bad, good = secrets.token_bytes(2 * CHUNK), secrets.token_bytes(CHUNK // 2)
+    put(m.path("bad.bin"), bad)
+    put(m.path("good.bin"), good)
+    names = chunk_keys(bad) + chunk_keys(good)
+    wait_until(lambda: set(names) <= set(os.listdir(spill)), what="chunks spilled")
+    m.kill()
+    flip_byte(os.path.join(spill, chunk_keys(bad)[1]), 12345)
+    s3m.server.thaw()
+    m2 = remount(s3m, m, spill=spill)
+    assert_eio(m2.path("bad.bin"), CHUNK, MiB)
+    assert wait_state(m2.path("bad.bin"), "broken", WAIT_S) == "broken"
+    assert_eio(m2.path("bad.bin"))
+    assert wait_state(m2.path("good.bin"), "durable", WAIT_S) == "durable"
+    assert get(m2.path("good.bin")) == good
+    assert sorted(s3m.objects()) == ["good.bin"]
+    log = m2.log()
+    assert "BLAKE3 mismatch" in log and chunk_keys(bad)[1] in log
+    assert_no_bug(log)
+
+
+def test_corrupt_backend_object_is_eio_not_flipped_bytes(make_mount, tmp_path):
+    m = make_mount()
+    data = secrets.token_bytes(2 * CHUNK + 100)
+    put(m.path("f.bin"), data)
+    assert wait_state(m.path("f.bin"), "durable") == "durable"
+    obj = str(tmp_path / "backend" / "f.bin")
+    flip_byte(obj, CHUNK + 1000)  # chunk 1; size and mtime unchanged: looks untouched
+    assert aiturbo("drop-cache", m.mountpoint).returncode == 0
+    time.sleep(IMPORT_SETTLE_S)  # a re-import must not take the object as new content
+    assert_eio(m.path("f.bin"))
+    assert_eio(m.path("f.bin"), CHUNK, MiB)
+    with open(m.path("f.bin"), "rb") as f:
+        assert f.read(MiB) == data[:MiB]  # chunk 0 is intact and verifies
+    log = m.log()
+    assert "BLAKE3 mismatch for f.bin chunk 1" in log, log[-3000:]
+    assert any("f.bin" in e or "chunk 1" in e for e in status(m)["errors"])
+
+
+# ---------------------------------------------------------------- import from backend
+
+
+class LocalWriter:
+    def __init__(self, root):
+        self.root = root
+
+    def put(self, key: str, data: bytes) -> None:
+        path = os.path.join(self.root, key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+
+    def delete(self, key: str) -> None:
+        os.unlink(os.path.join(self.root, key))
+
+
+class S3Writer:
+    def __init__(self, s3m):
+        self.client, self.bucket = s3m.server.client(), s3m.bucket
+
+    def put(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=f"pre/{key}", Body=data)
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=f"pre/{key}")
+
+
+@pytest.mark.parametrize("kind", ["file", "s3"])
+def test_objects_from_other_tools_show_up(kind, request, make_mount, tmp_path):
+    if kind == "s3":
+        s3m = request.getfixturevalue("s3m")
+        writer, mount, backend_objects = S3Writer(s3m), s3m.mount, s3m.objects
+    else:
+        (tmp_path / "backend").mkdir()
+        writer, mount = LocalWriter(str(tmp_path / "backend")), make_mount
+        backend_objects = lambda: local_objects(tmp_path / "backend")  # noqa: E731
+    objects = {
+        "top.bin": secrets.token_bytes(CHUNK + 100),
+        "dir/a.txt": b"alpha\n",
+        "dir/sub/b.bin": secrets.token_bytes(3 * MiB),
+        "dir/sub/deeper/c": b"",
+    }
+    for key, data in objects.items():
+        writer.put(key, data)
+    m = mount()
+    assert sorted(os.listdir(m.path(""))) == ["dir", "top.bin"]
+    assert sorted(os.listdir(m.path("dir"))) == ["a.txt", "sub"]
+    assert sorted(os.listdir(m.path("dir", "sub"))) == ["b.bin", "deeper"]
+    for key, data in objects.items():
+        assert os.stat(m.path(key)).st_size == len(data), key
+        assert get(m.path(key)) == data, key
+        assert state(m.path(key)) == "durable"
+    # Changed, added and removed outside the mount: seen after the TTL.
+    writer.put("dir/a.txt", b"changed, and longer than before\n")
+    same_size = secrets.token_bytes(len(objects["top.bin"]))
+    writer.put("top.bin", same_size)  # same size: only the etag tells
+    writer.put("dir/sub/new.txt", b"new")
+    writer.delete("dir/sub/b.bin")
+    time.sleep(IMPORT_SETTLE_S)
+    assert sorted(os.listdir(m.path("dir", "sub"))) == ["deeper", "new.txt"]
+    assert get(m.path("dir", "a.txt")) == b"changed, and longer than before\n"
+    assert os.stat(m.path("dir", "a.txt")).st_size == len(b"changed, and longer than before\n")
+    assert sha(get(m.path("top.bin"))) == sha(same_size)
+    assert get(m.path("dir", "sub", "new.txt")) == b"new"
+    assert not os.path.exists(m.path("dir", "sub", "b.bin"))
+    # An imported file written through the mount persists like any other.
+    with open(m.path("top.bin"), "r+b") as f:
+        f.seek(5)
+        f.write(b"XYZ")
+    want = same_size[:5] + b"XYZ" + same_size[8:]
+    assert wait_state(m.path("top.bin"), "durable", WAIT_S) == "durable"
+    assert get(m.path("top.bin")) == want
+    assert sha(backend_objects()["top.bin"]) == sha(want)
+
+
+# ----------------------------------------------------------------- spill store unit
+
+
+def test_concurrent_spills_of_one_chunk_leave_a_whole_file(tmp_path):
+    """Regression: two spills of one key shared a temp file; one renamed it half-written."""
+    data = secrets.token_bytes(CHUNK)
+    key = chunk.digest(data)
+
+    async def main():
+        for _ in range(10):
+            store = SpillStore(str(tmp_path / "spill"))
+            async with trio.open_nursery() as nursery:
+                for _ in range(2):
+                    nursery.start_soon(store.write, key, data)
+            assert await store.read(key) == data
+            assert os.listdir(tmp_path / "spill") == [key.hex()]
+            store.discard(key)
+
+    trio.run(main)
