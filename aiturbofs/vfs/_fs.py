@@ -680,9 +680,9 @@ class Filesystem:
             content = node.content
             if content is None or content.slot_at(index) is not slot or slot.seq != seq or slot.buf is None:
                 continue
-            await self._seal(content, index, slot)
+            await self._seal(content, index, slot, urgent=False)
 
-    async def _seal(self, content: FileContent, index: int, slot: Slot) -> bool:
+    async def _seal(self, content: FileContent, index: int, slot: Slot, *, urgent: bool = True) -> bool:
         """Hash an open slot and hand its buffer to the pool; False if it changed meanwhile."""
         if slot.buf is None:
             return slot.key is not None  # sealed meanwhile by the other sealer
@@ -695,7 +695,11 @@ class Filesystem:
         seq = slot.seq
         view = memoryview(slot.buf)[:length]
         if length > HASH_INLINE_BYTES_MAX:
-            key = await trio.to_thread.run_sync(background, chunk.digest, view)
+            # the sealer works ahead at low priority; close()/fsync wait on it
+            if urgent:
+                key = await trio.to_thread.run_sync(chunk.digest, view)
+            else:
+                key = await trio.to_thread.run_sync(background, chunk.digest, view)
         else:
             key = chunk.digest(view)
         if content.slot_at(index) is not slot or slot.seq != seq or slot.buf is None or chunk.chunk_length(content.size, index) != length:
