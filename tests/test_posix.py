@@ -14,9 +14,11 @@ metadata engine only, so ``verify_persisted`` leaves them out.
 
 import ctypes
 import errno
+import json
 import mmap
 import os
 import random
+import socket
 import stat
 import subprocess
 import sys
@@ -53,6 +55,8 @@ def tree(root, *, with_links: bool = True) -> dict:
                 elif stat.S_ISDIR(st.st_mode):
                     out[path] = ("dir",)
                     stack.append(path)
+                elif not stat.S_ISREG(st.st_mode):
+                    out[path] = ("special", stat.S_IFMT(st.st_mode))
                 else:
                     with open(e.path, "rb") as f:
                         out[path] = f.read()
@@ -213,6 +217,40 @@ def test_write_read_truncate_across_chunks(make_mount, tmp_path):
     verify_persisted(make_mount, m, tmp_path)
 
 
+def test_write_past_eof_after_reopen(make_mount, tmp_path):
+    """A write that skips the short tail chunk of a closed file (it grows to
+    a full chunk of zeros): was a broken file after a failed upload."""
+    m = make_mount()
+    cases = {
+        "small-tail": (b"a" * 100, CHUNK + 5),
+        "two-chunks-later": (b"b" * 5000, 2 * CHUNK + 1),
+        "tail-in-chunk-1": (b"c" * (CHUNK + 3), 3 * CHUNK - 2),
+    }
+    want = {}
+    for name, (head, off) in cases.items():
+        write_file(m.path(name), head)
+        fd = os.open(m.path(name), os.O_RDWR)
+        try:
+            os.pwrite(fd, b"Z" * 10, off)
+        finally:
+            os.close(fd)
+        want[name] = head + bytes(off - len(head)) + b"Z" * 10
+        assert read_file(m.path(name)) == want[name], name
+    with open(m.path("durable-first"), "wb") as f:
+        f.write(b"d" * 10)
+    assert wait_state(m.path("durable-first"), "durable") == "durable"
+    with open(m.path("durable-first"), "r+b") as f:
+        f.seek(CHUNK + 1)
+        f.write(b"e")
+    want["durable-first"] = b"d" * 10 + bytes(CHUNK + 1 - 10) + b"e"
+    for name in want:
+        assert wait_state(m.path(name), "durable") == "durable", name
+    aiturbo("drop-cache", m.mountpoint)
+    for name, data in want.items():
+        assert read_file(m.path(name)) == data, name
+    verify_persisted(make_mount, m, tmp_path)
+
+
 def test_truncate_of_durable_file_and_reopen(make_mount, tmp_path):
     """Shrink/grow a file whose chunks were already persisted (sealed slots)."""
     m = make_mount()
@@ -237,6 +275,46 @@ def test_truncate_of_durable_file_and_reopen(make_mount, tmp_path):
     verify_persisted(make_mount, m, tmp_path)
 
 
+def test_open_o_trunc_overwrites(make_mount, tmp_path):
+    """open(O_TRUNC) on an existing file (libfuse's atomic_o_trunc path)."""
+    m = make_mount()
+    rng = random.Random(12)
+    p = m.path("x")
+    write_file(p, b"0123456789")
+    write_file(p, b"abc")  # "wb" = O_WRONLY|O_CREAT|O_TRUNC
+    assert os.stat(p).st_size == 3 and read_file(p) == b"abc"
+    big = m.path("big")
+    write_file(big, rand_bytes(rng, 2 * CHUNK + 9))
+    assert wait_state(big, "durable") == "durable"
+    fd = os.open(big, os.O_RDWR | os.O_TRUNC)
+    try:
+        assert os.fstat(fd).st_size == 0
+        assert os.read(fd, 100) == b""
+        os.write(fd, b"short")
+    finally:
+        os.close(fd)
+    assert read_file(big) == b"short"
+    verify_persisted(make_mount, m, tmp_path)
+
+    # files imported from the backend: truncate by path, overwrite with "wb"
+    data = rand_bytes(rng, 2 * CHUNK + 5)
+    for name in ("imp-shrink", "imp-grow", "imp-over", "imp-zero"):
+        (tmp_path / "backend" / name).write_bytes(data)
+    m2 = make_mount(name="m2")
+    os.truncate(m2.path("imp-shrink"), CHUNK + 100)  # was EIO: an unhashed chunk stayed
+    assert read_file(m2.path("imp-shrink")) == data[: CHUNK + 100]
+    os.truncate(m2.path("imp-grow"), 3 * CHUNK)
+    assert read_file(m2.path("imp-grow")) == data + bytes(3 * CHUNK - len(data))
+    os.truncate(m2.path("imp-zero"), 0)
+    assert read_file(m2.path("imp-zero")) == b""
+    fetched_before = json.loads(aiturbo("status", m2.mountpoint, "--json").stdout)["persist"]["bytes_fetched"]
+    write_file(m2.path("imp-over"), b"new")
+    assert read_file(m2.path("imp-over")) == b"new"
+    status = json.loads(aiturbo("status", m2.mountpoint, "--json").stdout)
+    assert status["persist"]["bytes_fetched"] == fetched_before  # not read just to be thrown away
+    verify_persisted(make_mount, m2, tmp_path)
+
+
 def test_o_append(make_mount, tmp_path):
     m = make_mount()
     p = m.path("log.txt")
@@ -246,7 +324,7 @@ def test_o_append(make_mount, tmp_path):
         os.write(fd, b"one\n")
         os.lseek(fd, 0, os.SEEK_SET)  # O_APPEND ignores the position
         os.write(fd, b"two\n")
-        os.pwrite(fd, b"three\n", 0) if sys.platform != "linux" else os.write(fd, b"three\n")
+        os.write(fd, b"three\n")
     finally:
         os.close(fd)
     # a second appender after another writer grew the file
@@ -403,6 +481,8 @@ def test_unlink_open_file(make_mount, tmp_path):
     finally:
         f.close()
     assert read_file(p) == b"new"
+    assert wait_state(p, "durable") == "durable"  # the new file took the backend name
+    assert (tmp_path / "backend" / "gone.bin").read_bytes() == b"new"
     # an unlinked file that is still being written
     q = m.path("scratch.bin")
     fd = os.open(q, os.O_RDWR | os.O_CREAT, 0o600)
@@ -414,6 +494,18 @@ def test_unlink_open_file(make_mount, tmp_path):
     finally:
         os.close(fd)
     assert not os.path.exists(q)
+    # a durable file unlinked while open: its backend object goes after close
+    r = m.path("durable-gone.bin")
+    write_file(r, b"d" * 5000)
+    assert wait_state(r, "durable") == "durable"
+    with open(r, "rb") as f:
+        os.unlink(r)
+        aiturbo("drop-cache", m.mountpoint)
+        assert f.read() == b"d" * 5000  # from the backend object, still there
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (tmp_path / "backend" / "durable-gone.bin").exists():
+        time.sleep(0.05)
+    assert not (tmp_path / "backend" / "durable-gone.bin").exists()
     verify_persisted(make_mount, m, tmp_path)
 
 
@@ -519,12 +611,185 @@ def test_rename_directory_with_contents(make_mount, tmp_path):
     os.rename(m.path("renamed", "other"), m.path("empty"))
     moved["empty/d.bin"] = moved.pop("renamed/other/d.bin")
     assert read_file(m.path("empty", "d.bin")) == moved["empty/d.bin"]
+    # special files in a renamed directory (a socket's mode shares a bit with S_IFDIR)
+    os.mkdir(m.path("specials"))
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.bind(m.path("specials", "sock"))
+    finally:
+        sock.close()
+    os.mkfifo(m.path("specials", "fifo"))
+    write_file(m.path("specials", "f"), b"f")
+    os.rename(m.path("specials"), m.path("specials2"))
+    assert sorted(os.listdir(m.path("specials2"))) == ["f", "fifo", "sock"]
+    assert stat.S_ISSOCK(os.lstat(m.path("specials2", "sock")).st_mode)
+    assert stat.S_ISFIFO(os.lstat(m.path("specials2", "fifo")).st_mode)
+    moved["specials2/f"] = b"f"
     # a directory renamed while its new file is still staged
     os.mkdir(m.path("fresh"))
     write_file(m.path("fresh", "n.bin"), b"n" * (2 * CHUNK))
     os.rename(m.path("fresh"), m.path("fresh2"))
     assert read_file(m.path("fresh2", "n.bin")) == b"n" * (2 * CHUNK)
     verify_persisted(make_mount, m, tmp_path)
+
+
+def test_rename_cycles_of_durable_files(make_mount, tmp_path):
+    """Files swapping names faster than the persister moves their objects.
+
+    Each file's backend object sits at the other's new name: moving one
+    naively overwrites the other's only backend copy.
+    """
+    m = make_mount()
+    rng = random.Random(9)
+    data = {n: rand_bytes(rng, s) for n, s in [("a", 1000), ("b", CHUNK + 5), ("c", 3), ("d", 70_000), ("e", 12)]}
+    for n, d in data.items():
+        write_file(m.path(n), d)
+    for n in data:
+        assert wait_state(m.path(n), "durable") == "durable"
+    aiturbo("drop-cache", m.mountpoint)  # later reads must come from the right objects
+    # swap through a temporary name, in a burst
+    os.rename(m.path("a"), m.path("tmp"))
+    os.rename(m.path("b"), m.path("a"))
+    os.rename(m.path("tmp"), m.path("b"))
+    # a three-cycle with RENAME_EXCHANGE and a plain rename over a durable file
+    renameat2(m.path("c"), m.path("d"), RENAME_EXCHANGE)
+    renameat2(m.path("d"), m.path("e"), RENAME_EXCHANGE)
+    want = {"a": data["b"], "b": data["a"], "c": data["d"], "d": data["e"], "e": data["c"]}
+    for n, d in want.items():
+        assert read_file(m.path(n)) == d, n
+    backend = tmp_path / "backend"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if all((backend / n).exists() and (backend / n).read_bytes() == d for n, d in want.items()):
+            break
+        time.sleep(0.1)
+    for n, d in want.items():
+        assert (backend / n).read_bytes() == d, n
+        assert state(m.path(n)) == "durable"
+    time.sleep(1)  # past import_ttl: a re-import must not drop or resurrect anything
+    assert sorted(os.listdir(m.path())) == sorted(want)
+    aiturbo("drop-cache", m.mountpoint)
+    for n, d in want.items():
+        assert read_file(m.path(n)) == d, n
+    verify_persisted(make_mount, m, tmp_path)
+
+
+def test_rm_rf_of_durable_tree_stays_gone(make_mount, tmp_path):
+    m = make_mount()
+    for d in ("t/u/v", "t/w"):
+        os.makedirs(m.path(d))
+    names = [f"t/u/v/f{i}" for i in range(30)] + [f"t/w/g{i}" for i in range(5)] + ["t/top"]
+    for n in names:
+        write_file(m.path(n), n.encode())
+    for n in names:
+        assert wait_state(m.path(n), "durable") == "durable"
+    time.sleep(0.7)  # past import_ttl, so every directory is listed again below
+    # unlink then rmdir at once: the backend still has the file when rmdir lists it
+    write_file(m.path("solo"), b"x")
+    os.mkdir(m.path("sd"))
+    write_file(m.path("sd", "f"), b"y")
+    assert wait_state(m.path("sd", "f"), "durable") == "durable"
+    time.sleep(0.7)
+    os.unlink(m.path("sd", "f"))
+    os.rmdir(m.path("sd"))  # was ENOTEMPTY: the file came back from the backend
+    out = subprocess.run(["rm", "-rf", m.path("t")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert not os.path.exists(m.path("t"))
+    backend = tmp_path / "backend"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and ((backend / "t").exists() or (backend / "sd").exists()):
+        time.sleep(0.1)
+    assert not (backend / "t").exists(), "the removed tree (or its directories) is still in the backend"
+    assert not (backend / "sd").exists()
+    time.sleep(0.7)
+    assert sorted(os.listdir(m.path())) == ["solo"]  # nothing came back from the backend
+    verify_persisted(make_mount, m, tmp_path)
+
+
+def _entries(root: str) -> tuple[list[str], list[str]]:
+    """(directories, files) under ``root`` as sorted relative paths ('' is root)."""
+    dirs, files = [], []
+    for dirpath, dnames, fnames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        rel = "" if rel == "." else rel
+        dirs.append(rel)
+        files.extend(os.path.join(rel, f) for f in fnames)
+    return sorted(dirs), sorted(files)
+
+
+def _apply(root: str, op: str, args: tuple) -> str | None:
+    """Do one namespace operation; the errno name it failed with, or None."""
+    p = [os.path.join(root, a) if isinstance(a, str) else a for a in args]
+    try:
+        if op == "create":
+            write_file(p[0], p[1])
+        elif op == "write":
+            with open(p[0], "r+b") as f:
+                f.seek(p[1])
+                f.write(p[2])
+        elif op == "rename":
+            os.rename(p[0], p[1])
+        elif op == "exchange":
+            renameat2(p[0], p[1], RENAME_EXCHANGE)
+        elif op == "link":
+            os.link(p[0], p[1])
+        elif op == "unlink":
+            os.unlink(p[0])
+        elif op == "mkdir":
+            os.mkdir(p[0])
+        elif op == "rmdir":
+            os.rmdir(p[0])
+        return None
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_namespace_ops_match_local_fs(make_mount, tmp_path, seed):
+    """Bursts of namespace changes (renames of durable files and of
+    directories, swaps, links, unlinks), faster than the persister: the
+    mount answers like a local filesystem, and the backend ends up with the
+    same tree (nothing lost, nothing resurrected, no ghost directories)."""
+    m = make_mount()
+    local = str(tmp_path / "local")
+    os.mkdir(local)
+    rng = random.Random(seed)
+    for i in range(200):
+        dirs, files = _entries(local)
+        op = rng.choice(["create", "create", "write", "rename", "rename", "exchange", "link", "unlink",
+                         "mkdir", "rmdir", "rename_dir", "pause"])
+        path = os.path.join(rng.choice(dirs), f"n{rng.randrange(12)}")
+        args = None
+        if op == "create":
+            args = (path, rng.randbytes(rng.choice([0, 10, 5000, CHUNK + 10])))
+        elif op == "write" and files:
+            args = (rng.choice(files), rng.randrange(0, 6000), rng.randbytes(rng.randrange(1, 3000)))
+        elif op in ("rename", "link") and files:
+            args = (rng.choice(files), path)
+        elif op == "exchange" and len(files) > 1:
+            args = tuple(rng.sample(files, 2))
+        elif op == "unlink" and files:
+            args = (rng.choice(files),)
+        elif op == "mkdir":
+            args = (path,)
+        elif op == "rmdir" and len(dirs) > 1:
+            args = (rng.choice(dirs[1:]),)
+        elif op == "rename_dir" and len(dirs) > 1:
+            op, args = "rename", (rng.choice(dirs[1:]), path)
+        elif op == "pause":  # let the persister catch up: later renames move durable objects
+            if rng.random() < 0.5:
+                time.sleep(0.3)
+            else:
+                aiturbo("drop-cache", m.mountpoint)
+        if args is not None:
+            want, got = _apply(local, op, args), _apply(m.mountpoint, op, args)
+            assert got == want, (i, op, args[:2] if op != "create" else args[:1])
+        if i % 25 == 0 or op == "pause":
+            assert tree(m.mountpoint) == tree(local), f"after op {i}:\n" + describe_diff(tree(local), tree(m.mountpoint))
+    time.sleep(1)  # past import_ttl: re-imports must neither drop nor resurrect anything
+    want, got = tree(local), tree(m.mountpoint)
+    assert got == want, describe_diff(want, got)
+    verify_persisted(make_mount, m, tmp_path, got)
 
 
 # ------------------------------------------------------------- hard links
@@ -595,46 +860,67 @@ def test_symlinks(make_mount, tmp_path):
 
 
 # -------------------------------------------------------------- attributes
-def test_chmod_chown_utimens(make_mount, tmp_path):
-    m = make_mount()
-    p = m.path("f")
+def _attr_steps(p: str, d: str) -> list:
+    """chmod/chown/utime steps; returns the mode/owner seen after each."""
+    seen = []
+
+    def note():
+        st = os.stat(p)
+        seen.append((oct(stat.S_IMODE(st.st_mode)), st.st_uid, st.st_gid))
+
     write_file(p, b"attrs")
     os.chmod(p, 0o640)
-    assert stat.S_IMODE(os.stat(p).st_mode) == 0o640
+    note()
     os.chmod(p, 0o4755)
-    assert stat.S_IMODE(os.stat(p).st_mode) == 0o4755
-    os.chown(p, 1000, 1001)
-    st = os.stat(p)
-    assert (st.st_uid, st.st_gid) == (1000, 1001)
+    note()
+    os.chown(p, 1000, 1001)  # Linux clears set-user-ID on chown of a file
+    note()
+    os.chmod(p, 0o6755)
     os.chown(p, -1, 1002)
-    assert (os.stat(p).st_uid, os.stat(p).st_gid) == (1000, 1002)
+    note()
+    with open(p, "ab") as f:  # a write by root (CAP_FSETID) keeps the bits
+        f.write(b"!")
+    note()
+    os.mkdir(d, 0o700)
+    os.chmod(d, 0o2775)
+    seen.append(oct(stat.S_IMODE(os.stat(d).st_mode)))
+    return seen
+
+
+def test_chmod_chown_utimens(make_mount, tmp_path):
+    m = make_mount()
+    (tmp_path / "local").mkdir()
+    want = _attr_steps(str(tmp_path / "local" / "f"), str(tmp_path / "local" / "d"))
+    p = m.path("f")
+    assert _attr_steps(p, m.path("d")) == want  # the same as on the local filesystem
     atime, mtime = 1_600_000_000_123_456_789, 1_650_000_000_987_654_321
     os.utime(p, ns=(atime, mtime))
     st = os.stat(p)
     assert (st.st_atime_ns, st.st_mtime_ns) == (atime, mtime)
     assert st.st_ctime_ns > mtime
-    # utime on an open file, then a write moves mtime again
+    # utime through an open fd, then a write moves mtime again
     with open(p, "r+b") as f:
         os.utime(f.fileno(), ns=(atime, mtime))
         assert os.fstat(f.fileno()).st_mtime_ns == mtime
     assert os.stat(p).st_mtime_ns == mtime
     before = time.time_ns()
     with open(p, "ab") as f:
-        f.write(b"!")
+        f.write(b"?")
     assert os.stat(p).st_mtime_ns >= before - 10**9
     os.utime(p, ns=(atime, mtime))
-    os.mkdir(m.path("d"), 0o700)
-    assert stat.S_IMODE(os.stat(m.path("d")).st_mode) == 0o700
-    os.chmod(m.path("d"), 0o2775)
-    assert stat.S_IMODE(os.stat(m.path("d")).st_mode) == 0o2775
+    t0 = time.time_ns()
+    os.utime(m.path("d"))  # UTIME_NOW
+    assert abs(os.stat(m.path("d")).st_mtime_ns - t0) < 2 * 10**9
+    snap = tree(m.mountpoint)
     # attributes survive a restart on the same state dir
     m.stop()
     m = make_mount()
     st = os.stat(p)
-    assert stat.S_IMODE(st.st_mode) == 0o4755 & ~0o4000 or stat.S_IMODE(st.st_mode) == 0o4755
-    assert (st.st_uid, st.st_gid, st.st_atime_ns, st.st_mtime_ns) == (1000, 1002, atime, mtime)
-    assert read_file(p) == b"attrs!"
-    verify_persisted(make_mount, m, tmp_path)
+    assert (oct(stat.S_IMODE(st.st_mode)), st.st_uid, st.st_gid) == want[4]
+    assert (st.st_atime_ns, st.st_mtime_ns) == (atime, mtime)
+    assert oct(stat.S_IMODE(os.stat(m.path("d")).st_mode)) == want[5]
+    assert read_file(p) == b"attrs!?"
+    verify_persisted(make_mount, m, tmp_path, snap)
 
 
 def test_statvfs(mnt):
@@ -724,46 +1010,71 @@ def test_xattrs(make_mount, tmp_path):
 
 
 # --------------------------------------------------------------- ownership
+def _run_as(uid: int, gid: int, code: str, dir_fd: int) -> subprocess.CompletedProcess:
+    """Run ``code`` as uid/gid; it finds the directory ``dir_fd`` as ``D``.
+
+    The test's tmp dir is private to root (0700 ancestors): the child works
+    relative to the passed descriptor, which needs no search permission on
+    the ancestors.  The system Python is used because the test's own one may
+    live below /root.
+    """
+    python = "/usr/bin/python3"
+    if not os.access(python, os.X_OK):
+        pytest.skip("needs /usr/bin/python3 to run a child as another user")
+    code = f"D = {dir_fd}\n" + code
+    return subprocess.run([python, "-c", code], user=uid, group=gid, extra_groups=[], pass_fds=(dir_fd,),
+                          capture_output=True, text=True, timeout=60, cwd="/")
+
+
+_CHILD = """
+import errno, os
+def attempt(fn, *args, **kw):
+    try:
+        fn(*args, **kw)
+        return "ok"
+    except OSError as e:
+        return errno.errorcode[e.errno]
+fd = os.open("mine", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=D)
+os.write(fd, b"by 1000")
+os.close(fd)
+os.mkdir("mydir", dir_fd=D)
+os.symlink("mine", "mylink", dir_fd=D)
+print(attempt(os.open, "../denied", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=D))
+print(attempt(os.chown, "mine", 0, 0, dir_fd=D))
+print(attempt(os.chmod, "mine", 0o600, dir_fd=D))
+print(attempt(os.open, "../root-only", os.O_RDONLY, dir_fd=D))
+"""
+
+
 def test_created_files_owned_by_caller(make_mount, tmp_path):
-    m = make_mount(allow_other=True)
+    m = make_mount(allow_other=True)  # other users may use the mount at all
     shared = m.path("shared")
     os.mkdir(shared)
     os.chmod(shared, 0o777)
     os.chmod(m.mountpoint, 0o755)
-    tmp_path.chmod(0o755)
-    code = (
-        "import os, sys\n"
-        "d = sys.argv[1]\n"
-        "open(os.path.join(d, 'mine'), 'wb').write(b'by 1000')\n"
-        "os.mkdir(os.path.join(d, 'mydir'))\n"
-        "os.symlink('mine', os.path.join(d, 'mylink'))\n"
-        "try:\n"
-        "    open(os.path.join(d, '..', 'denied'), 'wb')\n"
-        "    print('NOT-DENIED')\n"
-        "except PermissionError:\n"
-        "    print('EACCES')\n"
-        "try:\n"
-        "    os.chown(os.path.join(d, 'mine'), 0, 0)\n"
-        "    print('NOT-DENIED')\n"
-        "except PermissionError:\n"
-        "    print('EPERM')\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code, shared], user=1000, group=1000, extra_groups=[],
-                         capture_output=True, text=True, timeout=60, cwd="/")
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["EACCES", "EPERM"]
-    for name in ("mine", "mydir", "mylink"):
-        st = os.lstat(os.path.join(shared, name))
-        assert (st.st_uid, st.st_gid) == (1000, 1000), name
-    assert read_file(os.path.join(shared, "mine")) == b"by 1000"
-    # setgid directory: new entries take the directory's group
-    os.chown(shared, 0, 1234)
-    os.chmod(shared, 0o2777)
-    out = subprocess.run([sys.executable, "-c", "import os,sys; open(sys.argv[1], 'wb').close(); os.mkdir(sys.argv[2])",
-                          os.path.join(shared, "g"), os.path.join(shared, "gd")],
-                         user=1000, group=1000, extra_groups=[], capture_output=True, text=True, timeout=60, cwd="/")
-    assert out.returncode == 0, out.stderr
+    write_file(m.path("root-only"), b"secret")
+    os.chmod(m.path("root-only"), 0o600)
+    dfd = os.open(shared, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        out = _run_as(1000, 1000, _CHILD, dfd)
+        assert out.returncode == 0, out.stderr
+        # default_permissions: the kernel checks modes against the caller
+        assert out.stdout.split() == ["EACCES", "EPERM", "ok", "EACCES"]
+        for name in ("mine", "mydir", "mylink"):
+            st = os.lstat(os.path.join(shared, name))
+            assert (st.st_uid, st.st_gid) == (1000, 1000), name
+        assert stat.S_IMODE(os.stat(os.path.join(shared, "mine")).st_mode) == 0o600
+        assert read_file(os.path.join(shared, "mine")) == b"by 1000"
+        # setgid directory: new entries take the directory's group, subdirs stay setgid
+        os.chown(shared, 0, 1234)
+        os.chmod(shared, 0o2777)
+        code = "import os\nos.close(os.open('g', os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=D))\nos.mkdir('gd', dir_fd=D)\n"
+        out = _run_as(1000, 1000, code, dfd)
+        assert out.returncode == 0, out.stderr
+    finally:
+        os.close(dfd)
     assert os.stat(os.path.join(shared, "g")).st_gid == 1234
+    assert os.stat(os.path.join(shared, "g")).st_uid == 1000
     gd = os.stat(os.path.join(shared, "gd"))
     assert gd.st_gid == 1234 and gd.st_mode & stat.S_ISGID
     verify_persisted(make_mount, m, tmp_path)
@@ -835,7 +1146,7 @@ def test_random_writes_with_model(make_mount, tmp_path):
     size = 2 * CHUNK + 3 * MiB
     fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        os.posix_fallocate(fd, 0, size) if False else os.ftruncate(fd, size)  # preallocate
+        os.ftruncate(fd, size)  # preallocate, as h5py does
         model = bytearray(size)
         _random_pwrites(fd, model, rng, 300)
         assert os.fstat(fd).st_size == len(model)

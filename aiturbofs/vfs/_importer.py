@@ -73,6 +73,14 @@ class Importer:
             if not paths:
                 return
             prefix = paths[0]
+        # The persister publishes, moves and deletes objects only under its
+        # ns_lock: holding it, the listing and every row's backend keys agree,
+        # so an object mid-move is neither taken for an outside change (its
+        # file refreshed to another file's bytes) nor for a vanished one.
+        async with self.fs.persister.ns_lock:
+            await self._import_locked(dir_row, meta, prefix, started, listed_at)
+
+    async def _import_locked(self, dir_row: InodeRow, meta, prefix: str, started: int, listed_at: float) -> None:
         # The namespace is read BEFORE the backend is listed: a file that
         # becomes durable while the listing runs must not look like a durable
         # file whose object vanished (it was removed from the namespace).

@@ -16,6 +16,7 @@ only deleted if no live inode's path names it.
 """
 
 import collections
+import errno
 import logging
 import os
 import secrets
@@ -47,6 +48,10 @@ VACATED_KEEP_S = 600.0
 DEFER_RETRY_S = 0.1
 # Hidden name prefix of an object moved out of the way (see ``_defer``).
 ASIDE_PREFIX = ".aiturbo-aside."
+# A publish or move refused because a directory (or a file, in the path) is
+# in the way: a renamed directory not yet emptied, or one not yet removed.
+# That clears once the other files have moved, so the file waits (_defer).
+_CONFLICT_ERRNOS = frozenset({errno.EISDIR, errno.ENOTEMPTY, errno.ENOTDIR, errno.EEXIST})
 
 
 def _one_error(group: BaseExceptionGroup) -> BaseException:
@@ -73,6 +78,10 @@ def _one_error(group: BaseExceptionGroup) -> BaseException:
     return (permanent or leaves)[0]
 
 
+class _Deferred(Exception):
+    """Another file must move its object away from our name first."""
+
+
 class Persister:
     """Background reconciliation of inodes with the backend (see module doc)."""
 
@@ -90,11 +99,16 @@ class Persister:
         self._idle.set()
         self._key_locks: dict[str, list] = {}
         self._vacated: dict[str, float] = {}  # backend key/dir -> monotonic time it went away
-        self._publishing: dict[str, int] = {}  # backend key -> inode writing it, until its state records it
+        # Held while backend objects are published, moved, deleted and their
+        # keys recorded: every inode's backend_keys then match the backend
+        # whenever another job looks (see _holder).  Uploads send their data
+        # without it and take it only to publish.
+        self.ns_lock = trio.Lock()
         # Queued inodes whose names changed (see enqueue) -> (live, backend_keys)
         # as last read, or a fresh ``object()`` until read; only the inode's
         # own job changes its keys, and a job start or a new enqueue forgets them.
         self._moved: dict[int, object] = {}
+        self._defers: dict[int, int] = {}  # inode -> deferrals in a row (see _defer)
         self.bytes_uploaded = 0
         self.bytes_fetched = 0
         self.files_durable = 0
@@ -195,6 +209,7 @@ class Persister:
                     self._pending[ino] = None
                 else:
                     self._moved.pop(ino, None)  # reconciled: its objects are at its names
+                    self._defers.pop(ino, None)
                 self._wake()
 
     async def _dir_cleaner(self) -> None:
@@ -203,7 +218,9 @@ class Persister:
                 await self._work.wait()
             path = self._dirs_to_clean[0]  # popped when done: drain waits for it
             try:
-                await self.backend.remove_dir(path)
+                async with self.ns_lock:
+                    await self.backend.remove_dir(path)
+                    self._note_vacated(path)
             except BackendError as exc:
                 log.info("backend directory %s not removed: %s", path, exc)
             del self._dirs_to_clean[0]
@@ -333,13 +350,39 @@ class Persister:
         its name is elsewhere now (a chain of renames, RENAME_EXCHANGE): it
         has yet to move that object away, so writing ``key`` would destroy
         its only backend copy.  Such an inode is always queued here, as moved."""
+        above = set()
+        parent = key.rpartition("/")[0]
+        while parent:
+            above.add(parent)
+            parent = parent.rpartition("/")[0]
         for other in list(self._moved):
             if other == ino:
                 continue
             live, keys = await self._moved_keys(other)
-            if live and key in keys:
+            # also objects below ``key`` (a backend directory still in use
+            # there) or at a directory above it (a file where one is needed)
+            if live and any(k == key or k.startswith(key + "/") or k in above for k in keys):
                 return other
         return None
+
+    async def _place(self, op, key: str, *args) -> bool:
+        """Run ``op(*args)`` that writes ``key`` (publish, move, copy); False if
+        something is in the way there (see _CONFLICT_ERRNOS).  An empty
+        directory left at ``key`` is removed and the write tried again."""
+        for attempt in range(2):
+            try:
+                await op(*args)
+                return True
+            except BackendError as exc:
+                if exc.errno not in _CONFLICT_ERRNOS or isinstance(exc, TransientBackendError):
+                    raise
+                log.info("%s is in the way (%s); waiting for it to go", key, exc)
+                if attempt == 0:
+                    try:
+                        await self.backend.remove_dir(key)  # does nothing unless an empty directory
+                    except BackendError:
+                        return False
+        return False
 
     async def _moved_keys(self, ino: int) -> tuple[bool, list[str]]:
         """(linked and not broken, backend keys) of a moved inode, cached."""
@@ -363,37 +406,27 @@ class Persister:
         tmp->b, or RENAME_EXCHANGE) each holds the other's target, and one
         of them has to give way.
         """
-        keys = list(row.backend_keys)
-        for i, key in enumerate(keys):
-            if key in paths or not await self._path_alive(key):
-                continue
-            head, _, _ = key.rpartition("/")
-            aside = f"{head}/" if head else ""
-            aside += f"{ASIDE_PREFIX}{secrets.token_hex(8)}"
-            # Both names stay locked until the keys are recorded: an import
-            # listing meanwhile must not take the hidden name for a new file.
-            async with self._key_lock(key), self._key_lock(aside):
-                await self.backend.move(key, aside)
-                keys[i] = aside
-                await self.meta.set_attrs(row.ino, backend_keys=keys)
-            log.info("moved %s aside to %s: another file takes that name first", key, aside)
-        await trio.sleep(DEFER_RETRY_S)
+        async with self.ns_lock:
+            keys = list((await self.meta.get_inode(row.ino)).backend_keys)
+            paths = await self.meta.paths_of(row.ino)
+            for i, key in enumerate(keys):
+                if key in paths or not await self._path_alive(key) or await self._holder(key, row.ino) is not None:
+                    continue
+                head, _, _ = key.rpartition("/")
+                aside = f"{head}/" if head else ""
+                aside += f"{ASIDE_PREFIX}{secrets.token_hex(8)}"
+                # Both names stay locked until the keys are recorded: an import
+                # listing meanwhile must not take the hidden name for a new file.
+                async with self._key_lock(key), self._key_lock(aside):
+                    await self.backend.move(key, aside)
+                    keys[i] = aside
+                    await self.meta.set_attrs(row.ino, backend_keys=keys)
+                log.info("moved %s aside to %s: another file takes that name first", key, aside)
+        waits = self._defers[row.ino] = self._defers.get(row.ino, 0) + 1
+        if waits % 50 == 0:
+            log.warning("inode %d has waited %d times for other files to move out of its backend names", row.ino, waits)
+        await trio.sleep(min(DEFER_RETRY_S * (1 << min(waits // 20, 6)), PERSIST_BACKOFF_MAX_S))
         self.enqueue(row.ino)  # runs again after this job ends
-
-    async def _claim(self, key: str, ino: int, claimed: list[str]) -> bool:
-        """Under ``key``'s lock: may ``ino`` write ``key``?  If so it is marked
-        as being written by ``ino`` (appended to ``claimed``) until the
-        caller's state update records it, so that no other file's move or
-        upload overwrites it meanwhile."""
-        if self._publishing.get(key, ino) != ino or await self._holder(key, ino) is not None:
-            return False
-        self._publishing[key] = ino
-        claimed.append(key)
-        return True
-
-    def _unclaim(self, claimed: list[str]) -> None:
-        for key in claimed:
-            self._publishing.pop(key, None)
 
     async def _upload_version(self, row, paths: list[str]) -> bool:
         """Upload the committed version; False if another file must move first."""
@@ -401,30 +434,79 @@ class Persister:
             if not await self.meta.set_state(row.ino, STATE_PERSISTING, if_version=row.version):
                 return True
             self.fs._notify_state(row.ino)
-        claimed: list[str] = []
+        if await self._held(paths, row.ino):
+            return False  # before sending any data
+        target = paths[0]
         try:
-            async with self._key_lock(paths[0]):
-                if not await self._claim(paths[0], row.ino, claimed):
-                    return False
-                info = await self._upload(row, paths[0])
-            for extra in paths[1:]:
-                async with self._key_lock(extra):
-                    if not await self._claim(extra, row.ino, claimed):
-                        return False
-                    await self.backend.copy(paths[0], extra)
-            for stale in row.backend_keys:
-                if stale not in paths:
-                    await self._delete_key(stale, row.ino)
-            if await self.meta.set_state(
-                row.ino, STATE_DURABLE, if_version=row.version,
-                backend_keys=paths, persisted_version=row.version, backend_etag=info.etag,
-            ):
-                self.files_durable += 1
-                log.info("durable: %s (%d bytes, version %d)", paths[0], row.size, row.version)
-                await self.fs.on_persisted(row.ino, await self.meta.get_inode(row.ino))
-        finally:
-            self._unclaim(claimed)
+            upload = await self._upload(row, target)
+        except BackendError as exc:
+            if exc.errno not in _CONFLICT_ERRNOS or isinstance(exc, TransientBackendError):
+                raise
+            log.info("%s: something is in the way (%s); waiting for it to go", target, exc)
+            return False
+        try:
+            async with self.ns_lock:
+                # The names may have changed while the data went out: publish
+                # only where no other file lives or still keeps its object; a
+                # target that is no longer ours is then moved like any rename.
+                if not await self._free_for(target, row.ino):
+                    raise _Deferred
+                published = []
+                async with self._key_lock(target):
+                    if not await self._place(lambda: self._complete(upload, row.size, published), target):
+                        raise _Deferred
+                info = published[0]
+                done = [target]
+                for extra in await self.meta.paths_of(row.ino):
+                    if extra not in done and await self._free_for(extra, row.ino):
+                        async with self._key_lock(extra):
+                            if await self._place(self.backend.copy, extra, target, extra):
+                                done.append(extra)
+                for stale in row.backend_keys:
+                    if stale not in done:
+                        await self._delete_key(stale, row.ino)
+                durable = await self.meta.set_state(
+                    row.ino, STATE_DURABLE, if_version=row.version,
+                    backend_keys=done, persisted_version=row.version, backend_etag=info.etag,
+                )
+                if not durable:
+                    # A newer version was committed meanwhile: it is not durable,
+                    # but where this one's objects are must still be known (the
+                    # stale ones are gone; an unrecorded one came back at import).
+                    await self.meta.set_attrs(
+                        row.ino, backend_keys=done, persisted_version=row.version, backend_etag=info.etag
+                    )
+        except BaseException as exc:
+            with trio.CancelScope(shield=True):
+                try:
+                    await upload.abort()  # a no-op once complete() published
+                except AiturboError as abort_exc:
+                    log.warning("abort of upload to %s failed: %s", paths[0], abort_exc)
+            if isinstance(exc, _Deferred):
+                return False
+            raise
+        if durable:
+            self.files_durable += 1
+            log.info("durable: %s (%d bytes, version %d)", paths[0], row.size, row.version)
+            await self.fs.on_persisted(row.ino, await self.meta.get_inode(row.ino))
         return True
+
+    @staticmethod
+    async def _complete(upload, size: int, out: list) -> None:
+        out.append(await upload.complete(size))
+
+    async def _free_for(self, key: str, ino: int) -> bool:
+        """With ``ns_lock`` held: may ``ino`` write its object at ``key``?"""
+        owner = await self._lookup_path(key)
+        if owner is not None and owner.ino != ino:
+            return False  # another file or a directory has that name now
+        return await self._holder(key, ino) is None
+
+    async def _held(self, keys: list[str], ino: int) -> bool:
+        for key in keys:
+            if await self._holder(key, ino) is not None:
+                return True
+        return False
 
     async def _upload(self, row, key: str):
         keys = chunk.unpack_manifest(row.manifest or b"")
@@ -442,7 +524,6 @@ class Persister:
                 if one is group:
                     raise
                 raise one from None
-            info = await upload.complete(row.size)
         except BaseException:
             with trio.CancelScope(shield=True):
                 try:
@@ -450,7 +531,7 @@ class Persister:
                 except AiturboError as exc:
                     log.warning("abort of upload to %s failed: %s", key, exc)
             raise
-        return info
+        return upload  # every part sent; the caller publishes it (complete) or aborts
 
     async def _upload_part(self, upload, row, key: bytes, index: int, limiter) -> None:
         try:
@@ -475,7 +556,18 @@ class Persister:
         row = await self.meta.get_inode(ino)
         if not row.backend_keys:
             raise IntegrityError(f"chunk {index} of inode {ino} is in neither DRAM, spill nor the backend")
-        return await self._read_verified(row.backend_keys, index, key, length)
+        try:
+            return await self._read_verified(row.backend_keys, index, key, length)
+        except IntegrityError:
+            # A rename may be moving the object right now: it lands at one of
+            # the file's current names before its keys are recorded.  Reads
+            # are verified, so trying those names cannot return other bytes.
+            latest = await self.meta.get_inode(ino)
+            paths = await self.meta.paths_of(ino)
+            again = [k for k in dict.fromkeys([*latest.backend_keys, *paths]) if k not in row.backend_keys]
+            if not again:
+                raise
+            return await self._read_verified(again, index, key, length)
 
     async def _read_verified(self, backend_keys: list[str], index: int, key: bytes, length: int) -> bytes:
         last: Exception | None = None
@@ -500,29 +592,37 @@ class Persister:
         if src is None:
             await self.meta.set_state(row.ino, STATE_STAGED, if_version=row.version)
             return True
-        for dst in paths:
-            if dst not in row.backend_keys and await self._holder(dst, row.ino) is not None:
+        async with self.ns_lock:
+            # Decide on what holds now: renames do not wait for this lock.
+            row = await self.meta.get_inode(row.ino)
+            paths = await self.meta.paths_of(row.ino) if row.nlink > 0 else []
+            if (
+                not paths or not row.backend_keys or sorted(row.backend_keys) == sorted(paths)
+                or row.state != STATE_DURABLE or row.persisted_version != row.version
+            ):
+                return True  # changed meanwhile (e.g. a new version to upload): the reconcile loop looks again
+            src = row.backend_keys[0]
+            if await self._held([dst for dst in paths if dst not in row.backend_keys], row.ino):
                 return False
-        keep = [k for k in row.backend_keys if k in paths]
-        current = list(row.backend_keys)  # where our objects are, as we go
-        claimed: list[str] = []
-        try:
+            keep = [k for k in row.backend_keys if k in paths]
+            current = list(row.backend_keys)  # where our objects are, as we go
             for dst in paths:
                 if dst in row.backend_keys:
                     continue
                 async with self._key_lock(dst):
-                    if not await self._claim(dst, row.ino, claimed):
-                        # lost a race with another file's move: record what moved
-                        if current != row.backend_keys:
-                            await self.meta.set_attrs(row.ino, backend_keys=current)
-                        return False
                     if keep:
-                        await self.backend.copy(keep[0], dst)
-                        current.append(dst)
+                        placed = await self._place(self.backend.copy, dst, keep[0], dst)
+                        if placed:
+                            current.append(dst)
                     else:
-                        await self.backend.move(src, dst)
-                        current[current.index(src)] = dst
-                        keep = [dst]
+                        placed = await self._place(self.backend.move, dst, src, dst)
+                        if placed:
+                            current[current.index(src)] = dst
+                            keep = [dst]
+                if not placed:
+                    if current != row.backend_keys:
+                        await self.meta.set_attrs(row.ino, backend_keys=current)
+                    return False
             for stale in row.backend_keys:
                 if stale not in paths:
                     await self._delete_key(stale, row.ino)
@@ -530,30 +630,34 @@ class Persister:
             # if_version, a commit racing with the move left backend_keys naming
             # a key that no longer exists, and the next upload could not fetch
             # unchanged chunks from it.)
-            await self.meta.set_attrs(row.ino, backend_keys=paths)
+            fields = {}
+            if len(paths) == 1:  # a copy has a new etag: not a change made outside the mount
+                info = await self.backend.stat(paths[0])
+                fields["backend_etag"] = info.etag if info is not None else row.backend_etag
+            await self.meta.set_attrs(row.ino, backend_keys=paths, **fields)
             await self.meta.set_state(row.ino, STATE_DURABLE, if_version=row.version)
-        finally:
-            self._unclaim(claimed)
         log.info("moved in backend: %s -> %s", row.backend_keys, paths)
         return True
 
     async def _delete_all(self, row) -> None:
-        for key in row.backend_keys:
-            await self._delete_key(key, row.ino)
-        if self.fs._cached(row.ino) is None:
-            await self.meta.delete_inode(row.ino)
-        else:
-            await self.meta.set_state(row.ino, row.state, backend_keys=[])
+        async with self.ns_lock:
+            for key in row.backend_keys:
+                await self._delete_key(key, row.ino)
+            if self.fs._cached(row.ino) is None:
+                await self.meta.delete_inode(row.ino)
+            else:
+                await self.meta.set_state(row.ino, row.state, backend_keys=[])
 
     async def _delete_key(self, key: str, ino: int) -> None:
-        """Delete ``ino``'s stale object at ``key`` unless it is another file's now."""
+        """Delete ``ino``'s stale object at ``key`` unless it is another file's now.
+
+        Called with ``ns_lock`` held.
+        """
         async with self._key_lock(key):
             owner = await self._lookup_path(key)
-            if owner is not None and owner.state is not None and (
-                key in owner.backend_keys or self._publishing.get(key) == owner.ino
-            ):
-                return  # the file that has this name now put (or is putting) its own object there
-            if self._publishing.get(key, ino) != ino or await self._holder(key, ino) is not None:
+            if owner is not None and owner.state is not None and key in owner.backend_keys:
+                return  # the file that has this name now put its own object there
+            if await self._holder(key, ino) is not None:
                 return  # another file's object, about to be moved from here (renamed again)
             # Otherwise the object is stale even if a file has the name now: that
             # file has not written it yet (it does so under this lock, later),
@@ -604,6 +708,7 @@ class Persister:
         importer's listing started, so the listing may still show them).
         """
         keys = set(self._key_locks)
+        keys.update(self._dirs_to_clean)  # old names of removed or renamed directories
         keys.update(key for key, when in self._vacated.items() if when >= since)
         for node in list(self.fs._inodes.values()):
             if node.row.nlink == 0:
