@@ -158,6 +158,9 @@ class Importer:
         new = await self.fs.meta.set_attrs(row.ino, size=info.size, mtime_ns=info.mtime_ns or row.mtime_ns, manifest=None, backend_etag=info.etag)
         if node is not None:
             node.row = new
+            # The version did not change (it counts commits through the mount),
+            # so say explicitly that the kernel's cached pages are stale.
+            node.cached_version = -1
 
     async def _remove(self, parent: int, name: bytes, row: InodeRow) -> None:
         node = self.fs._cached(row.ino)
