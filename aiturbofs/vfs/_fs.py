@@ -14,7 +14,6 @@ against the chunk hash.  Files imported from the backend without a manifest
 are read by range without verification (there is nothing to verify against).
 """
 
-import errno
 import logging
 import os
 import stat
@@ -42,11 +41,10 @@ from .._limits import (
     FILE_SIZE_BYTES_MAX,
     HASH_INLINE_BYTES_MAX,
     NAME_BYTES_MAX,
-    PATH_BYTES_MAX,
     SMALL_BUFFER_BYTES,
     SYMLINK_TARGET_BYTES_MAX,
 )
-from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED, InodeRow
+from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, STATE_STAGED, InodeRow
 from ..staging import StagingPool
 from . import _xattr
 from ._content import FileContent, Slot
@@ -497,9 +495,6 @@ class Filesystem:
         node.opens += 1
         return handle
 
-    def handle(self, fh: int) -> Handle:
-        return self._handles[fh]
-
     async def open(self, ino: int, flags: int) -> tuple[Handle, bool]:
         """Open ``ino``; returns the handle and whether kernel pages stay valid."""
         node = await self._inode(ino)
@@ -888,7 +883,3 @@ class Filesystem:
                 return
             event = self._state_changed.setdefault(ino, trio.Event())
             await event.wait()
-
-    def state_of(self, ino: int) -> str | None:
-        node = self._inodes.get(ino)
-        return None if node is None else node.row.state
