@@ -87,6 +87,11 @@ class Inode:
         self.cached_version = -1  # version whose pages the kernel may hold
         self.tags: dict[bytes, bytes] | None = None  # user.aiturbo.* cache
 
+    @property
+    def live(self) -> bool:
+        """Size and mtime in ``row`` are ahead of the metadata engine's."""
+        return self.content is not None and (self.content.dirty or self.opens > 0)
+
 
 class Handle:
     __slots__ = ("fh", "inode", "flags", "writable")
@@ -161,7 +166,7 @@ class Filesystem:
     async def _refresh(self, node: Inode) -> InodeRow:
         """Re-read the row from the metadata engine (close-to-open)."""
         row = await self.meta.get_inode(node.ino)
-        if node.content is not None and (node.content.dirty or node.opens):
+        if node.live:
             row.size = node.content.size
             row.mtime_ns = node.row.mtime_ns
         node.row = row
@@ -172,7 +177,7 @@ class Filesystem:
         if node is None:
             node = self._inodes[row.ino] = Inode(row)
         else:
-            if node.content is None or not (node.content.dirty or node.opens):
+            if not node.live:
                 node.row = row
         return node
 
@@ -237,7 +242,7 @@ class Filesystem:
     async def getattr(self, ino: int) -> InodeRow:
         node = self._inodes.get(ino)
         if node is not None:
-            if node.content is not None and (node.content.dirty or node.opens):
+            if node.live:
                 return self._attr(node)
             return await self._refresh(node)
         return await self.meta.get_inode(ino)
@@ -286,7 +291,7 @@ class Filesystem:
                 node.row.mtime_ns = mtime_ns
         fields["ctime_ns"] = ctime_ns if ctime_ns is not None else now
         row = await self.meta.set_attrs(ino, **fields)
-        if node.content is not None and (node.content.dirty or node.opens):
+        if node.live:
             row.size = node.content.size
             row.mtime_ns = node.row.mtime_ns
         node.row = row
@@ -483,9 +488,9 @@ class Filesystem:
     async def _content(self, node: Inode) -> FileContent:
         """The file's slots, built from its manifest on first use."""
         if node.content is None:
-            row = node.row
-            pinned = False
-            node.content = FileContent.from_manifest(row.size, row.manifest, pinned=pinned)
+            # built from a commit: pins were taken (and released) by the slots
+            # that sealed the chunks, so a rebuilt content holds none
+            node.content = FileContent.from_manifest(node.row.size, node.row.manifest, pinned=False)
         return node.content
 
     def _open_handle(self, node: Inode, flags: int) -> Handle:
@@ -837,7 +842,7 @@ class Filesystem:
         """The persister made version ``row.version`` durable (or broken)."""
         node = self._inodes.get(ino)
         if node is not None:
-            if node.content is None or not (node.content.dirty or node.opens):
+            if not node.live:
                 node.row = row
             else:
                 node.row.state = row.state
