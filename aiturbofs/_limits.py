@@ -52,6 +52,7 @@ S3_PART_BYTES_MIN = 5 * MiB  # S3 rejects smaller parts except the last
 S3_PARTS_MAX = 10_000  # S3 multipart limit: with CHUNK_BYTES parts an object is at most ~78 GiB
 S3_COPY_OBJECT_BYTES_MAX = 5 * GiB  # CopyObject limit; larger objects are copied part by part
 S3_PUT_BYTES_MAX = 1 * MiB  # a lone short part is copied on the trio thread and sent as one PutObject
+UPLOAD_TOKEN_BYTES_MAX = 32 * KiB  # a remote-part token or receipt: a key, escaped, plus an UploadId; fits a fabric control body
 
 # --- namespace import from the backend ------------------------------------------
 IMPORT_TTL_S = 5.0  # default -o import_ttl: re-list a backend directory after this
@@ -62,6 +63,7 @@ META_THREADS_MAX = 1  # sqlite: one connection, one thread
 ERRORS_KEPT_MAX = 100  # recent errors shown by `aiturbo status`
 META_BUSY_TIMEOUT_S = 30.0  # sqlite: wait this long for another daemon's write lock
 META_READDIR_ENTRIES_MAX = 4096  # entries one readdir call returns at most
+META_KEYS_PER_STATEMENT_MAX = 500  # keys in one IN (...) list: under sqlite's 999-parameter floor
 LINKS_PER_INODE_MAX = 65000  # hard links to one file, like ext4 (EMLINK beyond)
 DIR_DEPTH_MAX = PATH_BYTES_MAX // 2  # a path of one-byte names: bounds walks to the root
 META_PG_CONNECTIONS = 4  # postgresql: connections (and worker threads) per store; 4x lookups at 0.5 ms RTT
@@ -87,7 +89,7 @@ MOUNT_READY_TIMEOUT_S = 60.0  # parent waits this long for the daemon's mount
 # --- fabric (peer data plane) -------------------------------------------------------
 FABRIC_FRAME_SLACK_BYTES = 4 * KiB  # a frame is at most a chunk plus this (key, header)
 FABRIC_FRAME_BYTES_MAX = CHUNK_BYTES + FABRIC_FRAME_SLACK_BYTES  # checked before any payload is allocated
-FABRIC_CONTROL_BYTES_MAX = 64 * KiB  # one JSON control body (request or reply)
+FABRIC_CONTROL_BYTES_MAX = 4 * MiB  # one JSON control body: a round report of a ~50k-chunk file (< the frame max)
 FABRIC_MESSAGE_BYTES_MAX = 1 * KiB  # an ERROR / REJECTED reason; longer ones are cut
 FABRIC_NODE_NAME_BYTES_MAX = 255  # a node's name in the handshake (UTF-8)
 FABRIC_SECRET_BYTES_MIN = 16  # cluster secret: shorter files are refused
@@ -111,3 +113,30 @@ PLAN_SOLVER_TIME_LIMIT_S = 10.0  # HiGHS gives up on one LP after this
 PLAN_IMPROVE_MOVES_MAX = 2000  # local-search moves after rounding one plan
 PLAN_IMPROVE_CANDIDATES = 32  # chunks tried per local-search move
 PLAN_IMPROVE_GAP = 1e-3  # stop the local search once within 0.1% of the LP bound
+
+# --- controller (membership, group rounds) ----------------------------------------------
+NODE_HEARTBEAT_S = 1.0  # a joined node heartbeats this often
+NODE_DEAD_AFTER_S = 5.0  # no heartbeat for this long: the node is dead, its DRAM written off
+NODES_MAX = 1024  # nodes the controller tracks, whatever their state
+CONTROLLER_REQUESTS_PER_PEER_MAX = 256  # one node's requests at once: reports long-poll a whole round
+CONTROLLER_BACKEND_GBPS_DEFAULT = 100.0  # aggregate backend bandwidth the planner assumes
+GROUP_NAME_BYTES_MAX = 255  # user.aiturbo.group value
+GROUPS_TRACKED_MAX = 1024  # groups whose round statistics are kept (the least recently used dropped)
+GROUP_CHUNKS_TRACKED_MAX = 1 << 20  # distinct chunk hashes counted per group by the embedded controller
+ROUND_WINDOW_S = 0.2  # a round without a group size closes this long after its first report
+ROUND_WAIT_MAX_S = 10.0  # every round closes this long after its first report, complete or short
+ROUND_FILES_MAX = 4096  # files in one round; a full round closes at once
+ROUND_PLAN_TIMEOUT_S = 30.0  # dedup lookup + plan of one round; past it every report of the round gets an error
+ROUND_PLANS_MAX = 4  # plans of one round while nodes keep dying under it; then its reports get an error
+
+# --- cluster node ---------------------------------------------------------------------
+CLUSTER_STATE_POLL_S = 0.5  # waiters re-read a file's state this often (another node may persist it)
+CLUSTER_REPLICAS_DEFAULT = 2  # -o replicas in a cluster (1 on a single node)
+CLUSTER_FABRIC_GBPS_DEFAULT = 100.0  # -o fabric_gbps: this node's compute-fabric rate, each way
+CLUSTER_SNIC_GBPS_DEFAULT = 25.0  # -o snic_gbps: this node's storage-NIC (persist) rate
+CLUSTER_REPORT_TIMEOUT_S = 15.0  # a grouped close() waits this long for a round plan, then places alone
+CLUSTER_RECONNECT_S = 1.0  # retry period of a lost controller connection
+CLUSTER_TAKEOVER_PERIOD_S = 1.0  # how often staged files of dead nodes are looked for
+CLUSTER_HOLD_PENDING_S = 120.0  # a received chunk no "hold" claimed is unpinned after this
+CLUSTER_SOURCE_WAIT_S = 120.0  # a part another file of the round uploads: wait this long to copy it
+CLUSTER_SOURCE_POLL_S = 0.2  # ... looking for its durable copy this often

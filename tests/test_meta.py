@@ -20,26 +20,33 @@ from pgserver import PgServer, free_port, pg_server  # noqa: F401  (pg_server is
 
 from aiturbofs import _errors as err
 from aiturbofs._limits import (
+    META_KEYS_PER_STATEMENT_MAX,
     NAME_BYTES_MAX,
     SYMLINK_TARGET_BYTES_MAX,
     XATTR_NAME_BYTES_MAX,
     XATTR_VALUE_BYTES_MAX,
     XATTRS_PER_INODE_MAX,
 )
+from aiturbofs.chunk import HOLE
 from aiturbofs.meta import (
+    NODE_ALIVE,
+    NODE_DEAD,
+    NODE_LEFT,
     ROOT_INO,
     STATE_BROKEN,
     STATE_DURABLE,
     STATE_PERSISTING,
     STATE_STAGED,
+    ChunkSource,
     InodeRow,
     MetaStore,
+    NodeRow,
     open_meta,
 )
 
 UID, GID = 1000, 1001
 T0 = 1_700_000_000_000_000_000  # a fixed timestamp for rows the tests make
-HASH_A, HASH_B, HOLE = b"\xaa" * 32, b"\xbb" * 32, b"\0" * 32
+HASH_A, HASH_B, HASH_C = b"\xaa" * 32, b"\xbb" * 32, b"\xcc" * 32
 
 
 def trio_test(fn):
@@ -83,8 +90,43 @@ async def names(store: MetaStore, parent: int) -> list[bytes]:
     return [name for name, _, _ in await store.readdir(parent, 0, 10_000)]
 
 
+def v1_schema(blob: str, integer: str, identity: str) -> list[str]:
+    """The DDL of metadata schema v1, frozen here as released, to test migrations."""
+    b, i = blob, integer
+    return [
+        f"CREATE TABLE meta_schema (version {i} NOT NULL)",
+        f"""CREATE TABLE inodes (
+            ino {identity}, mode {i} NOT NULL, uid {i} NOT NULL, gid {i} NOT NULL,
+            size {i} NOT NULL, nlink {i} NOT NULL, atime_ns {i} NOT NULL,
+            mtime_ns {i} NOT NULL, ctime_ns {i} NOT NULL, rdev {i} NOT NULL,
+            target {b}, state TEXT, version {i} NOT NULL,
+            backend_keys TEXT NOT NULL, backend_etag TEXT,
+            imported_ns {i} NOT NULL, persisted_version {i} NOT NULL,
+            manifest {b})""",
+        "CREATE INDEX inodes_state ON inodes (state)",
+        "CREATE INDEX inodes_orphan ON inodes (ino) WHERE nlink = 0",
+        f"""CREATE TABLE dentries (
+            id {identity}, parent {i} NOT NULL, name {b} NOT NULL, ino {i} NOT NULL,
+            UNIQUE (parent, name))""",
+        "CREATE INDEX dentries_readdir ON dentries (parent, id)",
+        "CREATE INDEX dentries_ino ON dentries (ino)",
+        f"""CREATE TABLE xattrs (
+            ino {i} NOT NULL, name {b} NOT NULL, value {b} NOT NULL,
+            PRIMARY KEY (ino, name))""",
+        "INSERT INTO meta_schema (version) VALUES (1)",
+    ]
+
+
+_V1_INODE_COLS = (
+    "mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, rdev, state, version,"
+    " backend_keys, persisted_version, imported_ns, manifest"
+)
+
+
 class MetaConformance:
-    """Every ``MetaStore`` engine passes these; subclasses supply ``meta_url``."""
+    """Every ``MetaStore`` engine passes these; subclasses supply ``meta_url``
+    and ``raw_sql`` (``run(sql, *params) -> rows``: one statement with ``?``
+    placeholders, autocommitted, on the same database, past the store)."""
 
     @pytest.fixture
     def store(self, meta_url):
@@ -112,6 +154,42 @@ class MetaConformance:
             root = await again.get_inode(ROOT_INO)
             assert (stat.S_IMODE(root.mode), root.uid) == (0o700, UID)
             assert await names(again, ROOT_INO) == [b"f"]
+        finally:
+            await again.close()
+
+    def test_refuses_newer_schema(self, store, meta_url, raw_sql):
+        raw_sql("UPDATE meta_schema SET version = version + 1")
+        with pytest.raises(err.ConfigError):
+            trio.run(open_store, meta_url)
+
+    @trio_test
+    async def test_migrates_v1_database(self, meta_url, raw_sql):
+        engine = open_meta(meta_url)  # not opened: only its column types
+        for ddl in v1_schema(engine.BLOB, engine.INT, engine.IDENTITY):
+            raw_sql(ddl)
+        marks = ", ".join("?" * 15)
+        root = (stat.S_IFDIR | 0o755, UID, GID, 0, 2, T0, T0, T0, 0, None, 0, "[]", -1, 0, None)
+        raw_sql(f"INSERT INTO inodes (ino, {_V1_INODE_COLS}) VALUES (1, {marks})", *root)
+        f = (stat.S_IFREG | 0o644, UID, GID, 9, 1, T0, T0, T0, 0, STATE_DURABLE, 3, '["k"]', 3, 0, HASH_A)
+        raw_sql(f"INSERT INTO inodes ({_V1_INODE_COLS}) VALUES ({marks})", *f)
+        raw_sql("INSERT INTO dentries (parent, name, ino) VALUES (1, ?, 2)", b"f")
+        store = await open_store(meta_url)
+        try:
+            row = await store.lookup(ROOT_INO, b"f")
+            assert (row.ino, row.version, row.state, row.manifest) == (2, 3, STATE_DURABLE, HASH_A)
+            assert (row.backend_keys, row.owner, row.holders) == (["k"], None, [])
+            assert await store.claim_owner(row.ino, 3, None, "n1")
+            await store.upsert_node("n1", "10.0.0.1:7000", {}, T0)
+            assert [node.name for node in await store.nodes()] == ["n1"]
+            await store.record_chunk_sources("k", "e", [(HASH_A, 0, 9)])
+            assert await store.chunk_sources([HASH_A]) == {HASH_A: ChunkSource("k", 0, 9, "e")}
+            assert (await store.create(ROOT_INO, b"g", file_row())).ino == 3
+        finally:
+            await store.close()
+        assert raw_sql("SELECT version FROM meta_schema") == [(2,)]
+        again = await open_store(meta_url)  # finds v2: nothing left to migrate
+        try:
+            assert (await again.lookup(ROOT_INO, b"f")).owner == "n1"
         finally:
             await again.close()
 
@@ -548,6 +626,125 @@ class MetaConformance:
         assert await store.inodes_in_states([STATE_BROKEN]) == []
         assert await store.inodes_in_states([]) == []
 
+    # --- cluster: owner and holders of a version ---------------------------------------------
+
+    @trio_test
+    async def test_owner_and_holders(self, store):
+        f = await store.create(ROOT_INO, b"f", file_row())
+        assert (f.owner, f.holders) == (None, [])
+        row = await store.commit_manifest(
+            f.ino, size=1, manifest=HASH_A, state=STATE_STAGED, owner="n1", holders=["n1", "n2"]
+        )
+        assert (row.owner, row.holders) == ("n1", ["n1", "n2"])
+        assert await store.get_inode(f.ino) == row
+        row = await store.set_attrs(f.ino, holders=["n2"])
+        assert (row.owner, row.holders) == ("n1", ["n2"])
+        assert await store.set_state(f.ino, STATE_PERSISTING, if_version=row.version, owner="n2", holders=[])
+        row = await store.get_inode(f.ino)
+        assert (row.owner, row.holders) == ("n2", [])
+        # A new version starts unowned and held nowhere unless the commit says otherwise.
+        await store.set_attrs(f.ino, holders=["n3"])
+        row = await store.commit_manifest(f.ino, size=2, manifest=HASH_B, state=STATE_STAGED)
+        assert (row.version, row.owner, row.holders) == (2, None, [])
+        with pytest.raises(ValueError):
+            await store.set_attrs(f.ino, holders="n1")  # a string is not a list of nodes
+
+    @trio_test
+    async def test_claim_owner_compare_and_set(self, store):
+        f = await store.create(ROOT_INO, b"f", file_row())
+        v1 = (await store.commit_manifest(f.ino, size=1, manifest=HASH_A, state=STATE_STAGED)).version
+        assert await store.claim_owner(f.ino, v1, None, "a")
+        assert not await store.claim_owner(f.ino, v1, None, "b")  # "a" was first
+        assert (await store.get_inode(f.ino)).owner == "a"
+        assert not await store.claim_owner(f.ino, v1, "b", "c")  # not b's to hand over
+        assert await store.claim_owner(f.ino, v1, "a", "b")  # handed over
+        assert (await store.get_inode(f.ino)).owner == "b"
+        v2 = (await store.commit_manifest(f.ino, size=2, manifest=HASH_B, state=STATE_STAGED)).version
+        assert not await store.claim_owner(f.ino, v1, None, "a")  # stale version
+        assert not await store.claim_owner(f.ino, v2, "b", "a")  # the commit reset the owner
+        assert await store.claim_owner(f.ino, v2, None, "a")
+        assert await store.claim_owner(f.ino, v2, "a", None)  # released
+        row = await store.get_inode(f.ino)
+        assert (row.owner, row.version, row.size) == (None, v2, 2)
+        with pytest.raises(err.NotFound):
+            await store.claim_owner(4242, 0, None, "a")
+
+    # --- cluster: nodes -----------------------------------------------------------------------
+
+    @trio_test
+    async def test_nodes_round_trip(self, store, meta_url):
+        assert await store.nodes() == []
+        await store.upsert_node("node-b", "10.0.0.2:7000", {"dram": 64 << 30}, T0)
+        await store.upsert_node("node-a", "10.0.0.1:7000", {"dram": 32 << 30, "snic_gbps": 100}, T0 + 1)
+        assert await store.nodes() == [
+            NodeRow("node-a", "10.0.0.1:7000", NODE_ALIVE, T0 + 1, {"dram": 32 << 30, "snic_gbps": 100}),
+            NodeRow("node-b", "10.0.0.2:7000", NODE_ALIVE, T0, {"dram": 64 << 30}),
+        ]
+        assert await store.node_heartbeat("node-a", T0 + 5)
+        assert await store.node_heartbeat("node-b", T0 + 6, {"dram": 1})
+        assert not await store.node_heartbeat("node-z", T0 + 7)
+        a, b = await store.nodes()
+        assert (a.heartbeat_ns, a.info) == (T0 + 5, {"dram": 32 << 30, "snic_gbps": 100})  # info kept
+        assert (b.heartbeat_ns, b.info) == (T0 + 6, {"dram": 1})
+        assert await store.set_node_state("node-a", NODE_DEAD)
+        assert await store.set_node_state("node-b", NODE_LEFT)
+        assert not await store.set_node_state("node-z", NODE_DEAD)
+        with pytest.raises(ValueError):
+            await store.set_node_state("node-a", "zombie")
+        assert await store.node_heartbeat("node-a", T0 + 8)  # a heartbeat does not revive
+        assert [n.state for n in await store.nodes()] == [NODE_DEAD, NODE_LEFT]
+        await store.upsert_node("node-a", "10.0.0.9:7001", {}, T0 + 9)  # rejoins
+        restarted = await open_store(meta_url)  # a controller that restarted resumes from here
+        try:
+            assert await restarted.nodes() == [
+                NodeRow("node-a", "10.0.0.9:7001", NODE_ALIVE, T0 + 9, {}),
+                NodeRow("node-b", "10.0.0.2:7000", NODE_LEFT, T0 + 6, {"dram": 1}),
+            ]
+        finally:
+            await restarted.close()
+
+    # --- cluster: chunk sources -------------------------------------------------------------------
+
+    @trio_test
+    async def test_chunk_sources_upsert_and_forget(self, store):
+        four_mib = 4 << 20
+        entries = [(HASH_A, 0, four_mib), (HOLE, four_mib, four_mib), (HASH_B, 2 * four_mib, 100)]
+        await store.record_chunk_sources("ckpt/rank0.bin", "etag-0", entries)
+        assert await store.chunk_sources([HASH_A, HASH_B, HASH_C, HOLE, HASH_A]) == {
+            HASH_A: ChunkSource("ckpt/rank0.bin", 0, four_mib, "etag-0"),
+            HASH_B: ChunkSource("ckpt/rank0.bin", 2 * four_mib, 100, "etag-0"),
+        }
+        await store.record_chunk_sources("ckpt/rank1.bin", None, [(HASH_A, four_mib, four_mib)])
+        found = await store.chunk_sources([HASH_A, HASH_B])
+        assert found[HASH_A] == ChunkSource("ckpt/rank1.bin", four_mib, four_mib, None)  # replaced
+        assert await store.forget_chunk_sources("ckpt/rank0.bin") == 1  # only B still pointed there
+        assert await store.chunk_sources([HASH_A, HASH_B]) == {HASH_A: found[HASH_A]}
+        assert await store.forget_chunk_sources("ckpt/rank0.bin") == 0
+        assert await store.forget_chunk_sources("ckpt/rank1.bin") == 1
+        assert await store.chunk_sources([HASH_A, HASH_B, HASH_C]) == {}
+        assert await store.chunk_sources([]) == {}
+        await store.record_chunk_sources("empty", None, [])
+        await store.record_chunk_sources("holes", None, [(HOLE, 0, 1)])
+        assert await store.forget_chunk_sources("holes") == 0
+        for bad in [(HASH_A[:31], 0, 1), (HASH_A, -1, 1), (HASH_A, 0, -1)]:
+            with pytest.raises(ValueError):
+                await store.record_chunk_sources("k", None, [bad])
+
+    @trio_test
+    async def test_chunk_sources_in_bulk(self, store):
+        count = 3 * META_KEYS_PER_STATEMENT_MAX + 7  # several IN lists
+        keys = [i.to_bytes(32, "big") for i in range(1, count + 1)]
+        chunk = 1 << 20
+        entries = [(key, i * chunk, chunk) for i, key in enumerate(keys)]
+        entries.append((keys[0], 99 * chunk, chunk))  # one key twice in a call: stored once
+        await store.record_chunk_sources("big.bin", "e", entries)
+        unknown = [b"\xff" + key[1:] for key in keys[:100]]
+        found = await store.chunk_sources(unknown + keys[::-1])
+        assert len(found) == count
+        assert found[keys[0]] == ChunkSource("big.bin", 99 * chunk, chunk, "e")
+        assert all(found[key].offset == i * chunk for i, key in enumerate(keys) if i)
+        assert await store.forget_chunk_sources("big.bin") == count
+
     # --- paths_of -------------------------------------------------------------------------------------
 
     @trio_test
@@ -737,12 +934,16 @@ class TestSQLite(MetaConformance):
     def meta_url(self, tmp_path):
         return f"sqlite://{tmp_path}/meta.db"
 
-    def test_refuses_newer_schema(self, store, meta_url, tmp_path):
-        with sqlite3.connect(tmp_path / "meta.db") as conn:
-            conn.execute("UPDATE meta_schema SET version = version + 1")
-        conn.close()
-        with pytest.raises(err.ConfigError):
-            trio.run(open_store, meta_url)
+    @pytest.fixture
+    def raw_sql(self, tmp_path):
+        def run(sql, *params):
+            conn = sqlite3.connect(tmp_path / "meta.db", isolation_level=None)
+            try:
+                return conn.execute(sql, params).fetchall()
+            finally:
+                conn.close()
+
+        return run
 
     @trio_test
     async def test_too_many_links(self, store, monkeypatch):
@@ -766,13 +967,16 @@ class TestPostgres(MetaConformance):
     def meta_url(self, pg_server: PgServer):
         return pg_server.new_database()
 
-    def test_refuses_newer_schema(self, store, meta_url):
+    @pytest.fixture
+    def raw_sql(self, meta_url):
         import psycopg
 
-        with psycopg.connect(meta_url, autocommit=True) as conn:
-            conn.execute("UPDATE meta_schema SET version = version + 1")
-        with pytest.raises(err.ConfigError):
-            trio.run(open_store, meta_url)
+        def run(sql, *params):
+            with psycopg.connect(meta_url, autocommit=True) as conn:
+                cursor = conn.execute(sql.replace("?", "%s"), params)
+                return cursor.fetchall() if cursor.description else []
+
+        return run
 
     @trio_test
     async def test_inode_numbers_start_after_root(self, store):

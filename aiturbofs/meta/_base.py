@@ -1,4 +1,4 @@
-"""The metadata engine's contract: ``MetaStore``, ``InodeRow`` and the states.
+"""The metadata engine's contract: ``MetaStore``, its row types and states.
 
 This module owns the vocabulary every engine (SQLite, PostgreSQL) implements
 and every caller (vfs, persister, controller) relies on.  It holds no I/O.
@@ -32,6 +32,11 @@ STATE_DURABLE = "durable"  # backend_keys hold the current version (future 1)
 STATE_BROKEN = "broken"  # data lost or persist failed for good: reads get EIO
 STATES = frozenset({STATE_STAGED, STATE_PERSISTING, STATE_DURABLE, STATE_BROKEN})
 
+NODE_ALIVE = "alive"  # a member of the cluster, heartbeating
+NODE_DEAD = "dead"  # missed its heartbeats: its DRAM pool is written off
+NODE_LEFT = "left"  # drained and left on purpose
+NODE_STATES = frozenset({NODE_ALIVE, NODE_DEAD, NODE_LEFT})
+
 ROOT_INO = 1
 
 # Xattrs under this prefix are aiturbo's own settings (group tag, fsync
@@ -50,7 +55,9 @@ class InodeRow:
     ``None`` means unknown: the file was imported from the backend and not
     hashed yet.  ``version`` is bumped by every ``commit_manifest`` and is the
     token of the ``set_state`` compare-and-set; ``persisted_version`` is the
-    version that ``backend_keys`` hold (-1: none).
+    version that ``backend_keys`` hold (-1: none).  In a cluster, ``owner``
+    is the node that persists the current version and ``holders`` the nodes
+    whose DRAM pool holds its chunks; a new version starts with neither.
     """
 
     ino: int
@@ -71,6 +78,33 @@ class InodeRow:
     backend_etag: str | None = None  # to notice a change made outside the mount
     imported_ns: int = 0  # dirs: when the backend listing was last imported
     persisted_version: int = -1
+    owner: str | None = None  # node persisting the current version (None: single node)
+    holders: list[str] = field(default_factory=list)  # nodes with its chunks in DRAM
+
+
+@dataclass
+class NodeRow:
+    """One member of the cluster as the controller last recorded it.
+
+    ``info`` is a small JSON-able dict the node reports (bandwidths, DRAM).
+    """
+
+    name: str
+    address: str
+    state: str  # one of NODE_STATES
+    heartbeat_ns: int
+    info: dict
+
+
+@dataclass
+class ChunkSource:
+    """Where a chunk's bytes already are in the backend: ``length`` bytes at
+    ``offset`` of the object ``backend_key`` (whose etag was ``etag`` then)."""
+
+    backend_key: str
+    offset: int
+    length: int
+    etag: str | None
 
 
 INODE_FIELDS = tuple(f.name for f in dataclasses.fields(InodeRow))
@@ -215,10 +249,14 @@ class MetaStore(ABC):
         manifest: bytes | None,
         state: str,
         mtime_ns: int | None = None,
+        owner: str | None = None,
+        holders: Sequence[str] | None = None,
     ) -> InodeRow:
         """Record new content: size, manifest and state; version + 1.
 
         ``mtime_ns``, when given, sets both mtime and ctime (content changed).
+        ``owner`` and ``holders`` of the new version are set as given: a
+        version committed without them starts unowned and held nowhere.
         Returns the row with the new version.  On SQLite this commit is
         synced to disk before it returns.  Raises ``NotFound``.
         """
@@ -233,6 +271,17 @@ class MetaStore(ABC):
         the row's version differs (a newer commit won the race).  ``fields``
         are as in ``set_attrs`` except ``version``, which only
         ``commit_manifest`` moves.  Raises ``NotFound``.
+        """
+
+    @abstractmethod
+    async def claim_owner(
+        self, ino: int, version: int, expected_owner: str | None, new_owner: str | None
+    ) -> bool:
+        """Compare-and-set of the owner: set ``new_owner`` if the row is still
+        at ``version`` and owned by ``expected_owner`` (``None``: unowned).
+
+        Returns ``False`` and changes nothing otherwise (another node claimed
+        it first, or a newer commit reset it).  Raises ``NotFound``.
         """
 
     @abstractmethod
@@ -286,3 +335,62 @@ class MetaStore(ABC):
     @abstractmethod
     async def stats(self) -> tuple[int, int]:
         """``(inode count, total bytes of regular file sizes)`` for statfs."""
+
+    # --- cluster membership ---------------------------------------------------------
+
+    @abstractmethod
+    async def upsert_node(self, name: str, address: str, info: dict, now_ns: int) -> None:
+        """Record node ``name`` as alive at ``address``, heartbeat ``now_ns``.
+
+        Inserts a new node or replaces every field of a known one: this is
+        how a node joins, and how a dead or departed one rejoins.
+        """
+
+    @abstractmethod
+    async def node_heartbeat(self, name: str, now_ns: int, info: dict | None = None) -> bool:
+        """Set the heartbeat time of ``name`` (and its ``info`` when given).
+
+        The state is left as it is: a node declared dead rejoins with
+        ``upsert_node``.  Returns ``False`` for an unknown node.
+        """
+
+    @abstractmethod
+    async def set_node_state(self, name: str, state: str) -> bool:
+        """Set the state of ``name``; ``False`` for an unknown node.
+
+        ``ValueError`` for a state not in ``NODE_STATES``.
+        """
+
+    @abstractmethod
+    async def nodes(self) -> list[NodeRow]:
+        """Every node ever recorded (whatever its state), ordered by name."""
+
+    # --- chunk sources: dedup against bytes already in the backend --------------------
+
+    @abstractmethod
+    async def record_chunk_sources(
+        self, backend_key: str, etag: str | None, entries: Sequence[tuple[bytes, int, int]]
+    ) -> None:
+        """Record that the object ``backend_key`` (etag ``etag``) holds chunks.
+
+        ``entries`` are ``(32-byte BLAKE3 key, offset, length)``.  A chunk
+        key already recorded now points here (the latest record wins); the
+        all-zero hole key is skipped.  ``ValueError`` for a key that is not
+        32 bytes or a negative offset or length.
+        """
+
+    @abstractmethod
+    async def chunk_sources(self, keys: Sequence[bytes]) -> dict[bytes, ChunkSource]:
+        """The recorded source of each of ``keys`` that has one.
+
+        Keys without a source are absent from the result; any number of keys
+        may be asked at once.
+        """
+
+    @abstractmethod
+    async def forget_chunk_sources(self, backend_key: str) -> int:
+        """Drop every chunk source in the object ``backend_key``; how many.
+
+        Call it before the object is overwritten, moved or deleted: a source
+        left behind would let a copy take other bytes for the chunk.
+        """

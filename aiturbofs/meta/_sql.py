@@ -9,7 +9,8 @@ the transaction boundaries.
 
 Statements here are written with ``?`` placeholders (an engine rewrites them
 through ``_sql``) and use only SQL that SQLite >= 3.35 and PostgreSQL >= 13
-share: ``RETURNING``, partial indexes, ``COALESCE``, integer ``&``; no ``%``.
+share: ``RETURNING``, partial indexes, ``COALESCE``, integer ``&``,
+``ON CONFLICT (...) DO UPDATE SET c = excluded.c``; no ``%``.
 
 Each public method runs one synchronous transaction body (``_tx_*``) that
 receives a ``Tx``; the body raises ``_errors`` classes and the engine rolls
@@ -24,13 +25,22 @@ Schema (version ``SCHEMA_VERSION``):
 - ``inodes``: one row per inode; ``ino`` is an identity that never repeats
   (the kernel and the backend caches key on it).  ``manifest`` is the last
   column: SQLite then reaches every other column (stats, state scans)
-  without walking the blob's overflow pages.
+  without walking the blob's overflow pages.  (A database migrated from v1
+  has ``owner`` and ``holders`` after it: only full-row reads, which read
+  the manifest anyway, touch them.)  ``backend_keys`` and ``holders`` are
+  JSON lists of strings.
 - ``dentries``: ``(parent, name)`` is unique and indexed for lookups; ``id``
   is an ever-growing identity that orders a directory for readdir, so a
   resume token stays valid whatever is created or removed meanwhile.
   Rename updates the row in place: the entry keeps its position.
 - ``xattrs``: ``(ino, name) -> value``.
-- ``meta_schema``: one row, the schema version, for later migrations.
+- ``nodes``: cluster membership, ``name -> address, state, heartbeat, info``
+  (``info`` is JSON), so a restarted controller resumes where it was.
+- ``chunk_sources``: ``chunk_key -> (backend_key, offset, length, etag)``,
+  where a chunk's bytes already are in the backend (dedup by server-side
+  copy); indexed by ``backend_key`` to forget an object's chunks at once.
+- ``meta_schema``: one row, the schema version.  v2 added ``owner`` and
+  ``holders`` to ``inodes`` and the ``nodes`` and ``chunk_sources`` tables.
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ from .._limits import (
     DIR_DEPTH_MAX,
     HASH_BYTES,
     LINKS_PER_INODE_MAX,
+    META_KEYS_PER_STATEMENT_MAX,
     META_READDIR_ENTRIES_MAX,
     NAME_BYTES_MAX,
     SYMLINK_TARGET_BYTES_MAX,
@@ -60,20 +71,46 @@ from .._limits import (
 from ._base import (
     INHERIT_XATTR_PREFIX,
     INODE_FIELDS,
+    NODE_ALIVE,
+    NODE_STATES,
     ROOT_INO,
     SETTABLE_FIELDS,
     STATE_STAGED,
     STATE_XATTR,
     STATES,
+    ChunkSource,
     InodeRow,
     MetaStore,
+    NodeRow,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _COLS = ", ".join(INODE_FIELDS)
 _ICOLS = ", ".join("i." + name for name in INODE_FIELDS)
 _S_IFMT = 0o170000  # file type bits of st_mode, for stats() in SQL
+_BYTES_FIELDS = ("target", "manifest")
+_JSON_FIELDS = ("backend_keys", "holders")  # lists of strings, stored as JSON text
+# The inode columns v2 added: in CREATE TABLE, and in ALTER TABLE for a v1 database.
+_INODE_COLUMNS_V2 = ("owner TEXT", "holders TEXT NOT NULL DEFAULT '[]'")
+_HOLE = bytes(HASH_BYTES)  # aiturbofs.chunk.HOLE (meta does not import chunk)
+_NODE_COLS = "name, address, state, heartbeat_ns, info"
+
+
+def _upsert(table: str, key: str, columns: Sequence[str]) -> str:
+    """INSERT of ``key`` and ``columns`` that overwrites them where ``key`` exists."""
+    names = (key, *columns)
+    sets = ", ".join(f"{name} = excluded.{name}" for name in columns)
+    return (
+        f"INSERT INTO {table} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})"
+        f" ON CONFLICT ({key}) DO UPDATE SET {sets}"
+    )
+
+
+_UPSERT_NODE = _upsert("nodes", "name", ("address", "state", "heartbeat_ns", "info"))
+_UPSERT_CHUNK_SOURCE = _upsert(
+    "chunk_sources", "chunk_key", ("backend_key", "offset_bytes", "length_bytes", "etag")
+)
 
 
 class Tx:
@@ -101,6 +138,11 @@ class Tx:
         self._cursor.execute(self._sql(sql), params)
         return self._cursor.rowcount
 
+    def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        """Execute a statement without result rows once per parameter row;
+        the driver batches them (psycopg pipelines, no round trip each)."""
+        self._cursor.executemany(self._sql(sql), rows)
+
 
 # --- rows <-> columns -------------------------------------------------------------
 
@@ -108,20 +150,27 @@ class Tx:
 def _row(values: Sequence[Any]) -> InodeRow:
     """An ``InodeRow`` from columns selected in ``INODE_FIELDS`` order."""
     row = dict(zip(INODE_FIELDS, values))
-    for name in ("target", "manifest"):
+    for name in _BYTES_FIELDS:
         if row[name] is not None:
             row[name] = bytes(row[name])  # psycopg may hand out memoryview
-    row["backend_keys"] = json.loads(row["backend_keys"])
+    for name in _JSON_FIELDS:
+        row[name] = json.loads(row[name])
     return InodeRow(**row)
 
 
 def _to_column(name: str, value: Any) -> Any:
     """The database value of field ``name``."""
-    if name == "backend_keys":
+    if name in _JSON_FIELDS:
         return json.dumps(list(value))
-    if name in ("target", "manifest") and value is not None:
+    if name in _BYTES_FIELDS and value is not None:
         return bytes(value)
     return value
+
+
+def _assignments(fields: dict[str, Any]) -> tuple[str, list[Any]]:
+    """``"a = ?, b = ?"`` and the column values, for an UPDATE of ``fields``."""
+    sets = ", ".join(f"{name} = ?" for name in fields)
+    return sets, [_to_column(name, value) for name, value in fields.items()]
 
 
 def _check_fields(fields: dict[str, Any], allowed: Iterable[str] = SETTABLE_FIELDS) -> None:
@@ -140,6 +189,9 @@ def _check_fields(fields: dict[str, Any], allowed: Iterable[str] = SETTABLE_FIEL
         raise ValueError(f"manifest of {len(manifest)} bytes is not whole hashes")
     if fields.get("size", 0) < 0:
         raise ValueError("negative size")
+    for name in _JSON_FIELDS:
+        if isinstance(fields.get(name), (str, bytes)):  # list() would split it up
+            raise ValueError(f"{name} must be a list of strings, not {fields[name]!r}")
 
 
 def check_name(name: bytes) -> None:
@@ -242,7 +294,7 @@ class SqlMetaStore(MetaStore):
                 target {b}, state TEXT, version {i} NOT NULL,
                 backend_keys TEXT NOT NULL, backend_etag TEXT,
                 imported_ns {i} NOT NULL, persisted_version {i} NOT NULL,
-                manifest {b})""",
+                {", ".join(_INODE_COLUMNS_V2)}, manifest {b})""",
             "CREATE INDEX inodes_state ON inodes (state)",
             # Tiny: only orphans are in it, found at every start.
             "CREATE INDEX inodes_orphan ON inodes (ino) WHERE nlink = 0",
@@ -254,6 +306,20 @@ class SqlMetaStore(MetaStore):
             f"""CREATE TABLE xattrs (
                 ino {i} NOT NULL, name {b} NOT NULL, value {b} NOT NULL,
                 PRIMARY KEY (ino, name))""",
+            *self._cluster_schema(),
+        ]
+
+    def _cluster_schema(self) -> list[str]:
+        """The DDL of the tables v2 added, in creation order."""
+        b, i = self.BLOB, self.INT
+        return [
+            f"""CREATE TABLE nodes (
+                name TEXT PRIMARY KEY, address TEXT NOT NULL, state TEXT NOT NULL,
+                heartbeat_ns {i} NOT NULL, info TEXT NOT NULL)""",
+            f"""CREATE TABLE chunk_sources (
+                chunk_key {b} PRIMARY KEY, backend_key TEXT NOT NULL,
+                offset_bytes {i} NOT NULL, length_bytes {i} NOT NULL, etag TEXT)""",
+            "CREATE INDEX chunk_sources_backend_key ON chunk_sources (backend_key)",
         ]
 
     # --- lifecycle ----------------------------------------------------------------
@@ -289,8 +355,16 @@ class SqlMetaStore(MetaStore):
             await trio.to_thread.run_sync(self._disconnect, limiter=self._limiter)
 
     def _migrate(self, tx: Tx, from_version: int) -> None:
-        """Bring an older schema to ``SCHEMA_VERSION`` (none exists before v1)."""
-        raise err.ConfigError(f"no migration from metadata schema v{from_version}")
+        """Bring an older schema to ``SCHEMA_VERSION``, in init's transaction
+        (PostgreSQL: under its lock, so one daemon migrates, the others see it)."""
+        if from_version < 1:
+            raise err.ConfigError(f"no migration from metadata schema v{from_version}")
+        if from_version < 2:  # cluster mode; existing rows start unowned, held nowhere
+            for column in _INODE_COLUMNS_V2:
+                tx.run(f"ALTER TABLE inodes ADD COLUMN {column}")
+            for ddl in self._cluster_schema():
+                tx.run(ddl)
+        tx.run("UPDATE meta_schema SET version = ?", SCHEMA_VERSION)
 
     # --- shared transaction pieces ----------------------------------------------------
 
@@ -337,8 +411,7 @@ class SqlMetaStore(MetaStore):
         """Set ``fields`` (already checked) on ``ino``; the updated row."""
         if not fields:
             return self._get(tx, ino)
-        sets = ", ".join(f"{name} = ?" for name in fields)
-        values = [_to_column(name, value) for name, value in fields.items()]
+        sets, values = _assignments(fields)
         found = tx.one(f"UPDATE inodes SET {sets} WHERE ino = ? RETURNING {_COLS}", *values, ino)
         if found is None:
             raise err.NotFound(f"inode {ino}")
@@ -678,8 +751,16 @@ class SqlMetaStore(MetaStore):
         manifest: bytes | None,
         state: str,
         mtime_ns: int | None = None,
+        owner: str | None = None,
+        holders: Sequence[str] | None = None,
     ) -> InodeRow:
-        fields: dict[str, Any] = {"size": size, "manifest": manifest, "state": state}
+        fields: dict[str, Any] = {
+            "size": size,
+            "manifest": manifest,
+            "state": state,
+            "owner": owner,
+            "holders": [] if holders is None else holders,
+        }
         _check_fields(fields)
         if mtime_ns is not None:
             fields.update(mtime_ns=mtime_ns, ctime_ns=mtime_ns)
@@ -688,8 +769,7 @@ class SqlMetaStore(MetaStore):
         return await self._run(self._tx_commit_manifest, ino, fields, write=True, durable=True)
 
     def _tx_commit_manifest(self, tx: Tx, ino: int, fields: dict[str, Any]) -> InodeRow:
-        sets = ", ".join(f"{name} = ?" for name in fields)
-        values = [_to_column(name, value) for name, value in fields.items()]
+        sets, values = _assignments(fields)
         found = tx.one(
             f"UPDATE inodes SET {sets}, version = version + 1 WHERE ino = ? RETURNING {_COLS}",
             *values,
@@ -706,19 +786,27 @@ class SqlMetaStore(MetaStore):
             raise ValueError("state is the second argument of set_state")
         fields = {"state": state, **fields}
         _check_fields(fields, SETTABLE_FIELDS - {"version"})
+        expect = {} if if_version is None else {"version": if_version}
         # Durable: "durable" with its backend_keys must survive a power cut,
         # or a restart would think the only copy was the lost DRAM one.
-        return await self._run(self._tx_set_state, ino, fields, if_version, write=True, durable=True)
+        return await self._run(self._tx_update_if, ino, fields, expect, write=True, durable=True)
 
-    def _tx_set_state(self, tx: Tx, ino: int, fields: dict[str, Any], if_version: int | None) -> bool:
-        sets = ", ".join(f"{name} = ?" for name in fields)
-        values = [_to_column(name, value) for name, value in fields.items()]
-        sql = f"UPDATE inodes SET {sets} WHERE ino = ?"
-        params = [*values, ino]
-        if if_version is not None:
-            sql += " AND version = ?"
-            params.append(if_version)
-        if tx.run(sql, *params):
+    async def claim_owner(
+        self, ino: int, version: int, expected_owner: str | None, new_owner: str | None
+    ) -> bool:
+        expect = {"version": version, "owner": expected_owner}
+        # Durable: a node told it owns the persist must not lose that to a crash.
+        return await self._run(
+            self._tx_update_if, ino, {"owner": new_owner}, expect, write=True, durable=True
+        )
+
+    def _tx_update_if(self, tx: Tx, ino: int, fields: dict[str, Any], expect: dict[str, Any]) -> bool:
+        """Compare-and-set: ``fields`` on ``ino`` if its columns equal ``expect``
+        (``None`` matches NULL); ``False`` if not, ``NotFound`` if no row."""
+        sets, values = _assignments(fields)
+        where = "".join(f" AND {name} {'IS NULL' if v is None else '= ?'}" for name, v in expect.items())
+        compared = [v for v in expect.values() if v is not None]
+        if tx.run(f"UPDATE inodes SET {sets} WHERE ino = ?{where}", *values, ino, *compared):
             return True
         self._get(tx, ino)  # NotFound, or a lost compare-and-set
         return False
@@ -824,3 +912,78 @@ class SqlMetaStore(MetaStore):
         self._touch_inode(tx, ino)
         if not tx.run("DELETE FROM xattrs WHERE ino = ? AND name = ?", ino, name):
             raise err.NoAttribute(os.fsdecode(name))
+
+    # --- cluster membership ----------------------------------------------------------
+
+    async def upsert_node(self, name: str, address: str, info: dict, now_ns: int) -> None:
+        params = (name, address, NODE_ALIVE, now_ns, json.dumps(info))
+        await self._run(self._tx_statement, _UPSERT_NODE, *params, write=True)
+
+    async def node_heartbeat(self, name: str, now_ns: int, info: dict | None = None) -> bool:
+        sql = "UPDATE nodes SET heartbeat_ns = ?, info = COALESCE(?, info) WHERE name = ?"
+        info_json = None if info is None else json.dumps(info)
+        return bool(await self._run(self._tx_statement, sql, now_ns, info_json, name, write=True))
+
+    async def set_node_state(self, name: str, state: str) -> bool:
+        if state not in NODE_STATES:
+            raise ValueError(f"unknown node state {state!r}")
+        sql = "UPDATE nodes SET state = ? WHERE name = ?"
+        return bool(await self._run(self._tx_statement, sql, state, name, write=True))
+
+    async def nodes(self) -> list[NodeRow]:
+        found = await self._run(self._tx_all, f"SELECT {_NODE_COLS} FROM nodes", write=False)
+        rows = [NodeRow(*rest, json.loads(info)) for *rest, info in found]
+        return sorted(rows, key=lambda row: row.name)  # code points: one order on every engine
+
+    @staticmethod
+    def _tx_statement(tx: Tx, sql: str, *params: Any) -> int:
+        """A transaction of one statement; the number of rows it changed."""
+        return tx.run(sql, *params)
+
+    @staticmethod
+    def _tx_all(tx: Tx, sql: str, *params: Any) -> list[tuple]:
+        """A transaction of one query; every row."""
+        return tx.all(sql, *params)
+
+    # --- chunk sources -----------------------------------------------------------------
+
+    async def record_chunk_sources(
+        self, backend_key: str, etag: str | None, entries: Sequence[tuple[bytes, int, int]]
+    ) -> None:
+        places: dict[bytes, tuple[int, int]] = {}  # one row per key: a batch upserts each once
+        for key, offset, length in entries:
+            if len(key) != HASH_BYTES or offset < 0 or length < 0:
+                raise ValueError(f"bad chunk source {bytes(key).hex()} at {offset}+{length}")
+            if key != _HOLE:
+                places[bytes(key)] = (offset, length)
+        if places:
+            rows = [(key, backend_key, offset, length, etag) for key, (offset, length) in places.items()]
+            await self._run(self._tx_record_chunk_sources, rows, write=True)
+
+    @staticmethod
+    def _tx_record_chunk_sources(tx: Tx, rows: list[tuple]) -> None:
+        tx.many(_UPSERT_CHUNK_SOURCE, rows)
+
+    async def chunk_sources(self, keys: Sequence[bytes]) -> dict[bytes, ChunkSource]:
+        unique = list(dict.fromkeys(bytes(key) for key in keys))
+        if not unique:
+            return {}
+        return await self._run(self._tx_chunk_sources, unique, write=False)
+
+    def _tx_chunk_sources(self, tx: Tx, keys: list[bytes]) -> dict[bytes, ChunkSource]:
+        found = {}
+        for start in range(0, len(keys), META_KEYS_PER_STATEMENT_MAX):
+            batch = keys[start : start + META_KEYS_PER_STATEMENT_MAX]
+            rows = tx.all(
+                "SELECT chunk_key, backend_key, offset_bytes, length_bytes, etag FROM chunk_sources"
+                f" WHERE chunk_key IN ({', '.join('?' * len(batch))})",
+                *batch,
+            )
+            for key, *source in rows:
+                found[bytes(key)] = ChunkSource(*source)
+        return found
+
+    async def forget_chunk_sources(self, backend_key: str) -> int:
+        sql = "DELETE FROM chunk_sources WHERE backend_key = ?"
+        # Durable: a source that comes back after a crash names bytes that are gone.
+        return await self._run(self._tx_statement, sql, backend_key, write=True, durable=True)

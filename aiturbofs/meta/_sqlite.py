@@ -5,13 +5,15 @@ SQL lives in ``_sql``.  It must never hand the connection to more than one
 thread at a time (the capacity limiter of ``META_THREADS_MAX`` guarantees it).
 
 Durability: the database runs in WAL mode with ``synchronous=NORMAL``; the
-transactions that record content or persistence (``commit_manifest``,
-``set_state``, ``init``) switch to ``synchronous=FULL`` and so fsync the WAL
-before they return.  What a crash may lose:
+transactions that record content, persistence or who persists
+(``commit_manifest``, ``set_state``, ``claim_owner``, ``forget_chunk_sources``,
+``init``) switch to ``synchronous=FULL`` and so fsync the WAL before they
+return.  What a crash may lose:
 
 - a crash of the process (kill -9, a bug): nothing that was committed;
 - a crash of the host (power cut, kernel panic): the namespace changes
-  (create, rename, unlink, setxattr...) committed after the last synced
+  (create, rename, unlink, setxattr...), node records and recorded chunk
+  sources (dedup chances, not data) committed after the last synced
   transaction.  WAL replays in order, so what survives is always a prefix of
   the history: never a manifest without the create before it.  The database
   is never corrupted.
