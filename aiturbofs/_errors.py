@@ -106,6 +106,12 @@ class BackendNotFound(BackendError):
     errno = errno.ENOENT
 
 
+class SourceChanged(BackendError):
+    """A conditional server-side copy found its source replaced: upload the bytes instead."""
+
+    errno = errno.ESTALE
+
+
 class TransientBackendError(BackendError):
     """5xx, timeout, connection refused: worth retrying with backoff."""
 

@@ -8,6 +8,9 @@ tested in the subclasses.  Each test runs its own ``trio.run``.
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
 import math
 import os
 import secrets
@@ -20,7 +23,15 @@ import pytest
 import trio
 import trio.testing
 
-from aiturbofs._errors import BackendError, BackendNotFound, ConfigError, TransientBackendError
+from aiturbofs._errors import (
+    BackendError,
+    BackendNotFound,
+    ConfigError,
+    InvalidArgument,
+    NotSupported,
+    SourceChanged,
+    TransientBackendError,
+)
 from aiturbofs._limits import CHUNK_BYTES, MiB
 from aiturbofs.backend import UPLOAD_TEMP_PREFIX, Backend, check_key, open_backend
 from aiturbofs.backend import _base, _s3
@@ -49,6 +60,27 @@ def run(target: Target, body: Callable[[Backend], Awaitable[None]]) -> None:
     trio.run(main)
 
 
+def run_pair(target: Target, body: Callable[[Backend, Backend], Awaitable[None]]) -> None:
+    """Like ``run`` with two backends opened separately, as two node processes would:
+    the owner of an upload and another writer of its parts.  Skips where
+    the backend cannot take parts from other processes."""
+
+    async def main() -> None:
+        owner = await open_backend(target.url, target.options)
+        try:
+            if not owner.supports_remote_parts:
+                pytest.skip(f"{type(owner).__name__} stages parts in its own process: supports_remote_parts is False")
+            other = await open_backend(target.url, target.options)
+            try:
+                await body(owner, other)
+            finally:
+                await other.aclose()
+        finally:
+            await owner.aclose()
+
+    trio.run(main)
+
+
 async def put(backend: Backend, key: str, data: bytes, order: list[int] | None = None):
     upload = await backend.open_upload(key)
     for index in order if order is not None else range(math.ceil(len(data) / P)):
@@ -68,6 +100,8 @@ async def names(backend: Backend, key: str) -> dict[str, bool]:
 
 class BackendConformance:
     """The contract of ``Backend`` / ``Upload``; subclasses supply ``target``."""
+
+    ended_upload_error: Any = BackendNotFound  # a remote part of a completed or aborted upload
 
     @pytest.fixture
     def target(self) -> Target:
@@ -223,6 +257,136 @@ class BackendConformance:
             assert await read_all(b, "kept") == b"data"
 
         run(target, body)
+
+    def test_copy_part_if_etag(self, target: Target):
+        old = os.urandom(2 * P)
+        new = os.urandom(2 * P + 1)  # another size too: local etags are mtime (coarse) and size
+
+        async def body(b: Backend):
+            etag = (await put(b, "src", old)).etag
+            upload = await b.open_upload("dst")
+            await upload.copy_part(0, "src", 0, P, if_etag=etag)
+            await put(b, "src", new)
+            with pytest.raises(SourceChanged) as caught:
+                await upload.copy_part(1, "src", P, P, if_etag=etag)
+            assert caught.value.errno == errno.ESTALE and not isinstance(caught.value, TransientBackendError)
+            with pytest.raises(BackendNotFound):
+                await upload.copy_part(1, "missing", P, P, if_etag=etag)
+            with pytest.raises(BackendError, match="missing parts \\[1\\]"):
+                await upload.complete(2 * P)  # the refused copies do not count
+            await upload.write_part(1, old[P:])  # the fallback: send the bytes
+            await upload.complete(2 * P)
+            assert await read_all(b, "dst") == old
+
+        run(target, body)
+        assert target.leftovers() == []
+
+    # --- parts written by other processes -------------------------------------------------
+
+    def test_remote_parts_from_another_backend(self, target: Target):
+        data = os.urandom(3 * P + 100)
+        parts = [memoryview(data)[offset : offset + P] for offset in range(0, len(data), P)]
+
+        async def body(owner: Backend, other: Backend):
+            upload = await owner.open_upload("shared/obj")
+            token = await upload.token()
+            assert await upload.token() == token
+            receipts = {}
+
+            async def remote(index: int) -> None:
+                receipts[index] = await other.write_remote_part("shared/obj", token, index, parts[index])
+
+            async with trio.open_nursery() as nursery:
+                for index in (0, 2):
+                    nursery.start_soon(remote, index)
+                nursery.start_soon(upload.write_part, 1, parts[1])
+                nursery.start_soon(upload.write_part, 3, parts[3])
+            for index, receipt in receipts.items():
+                upload.add_remote_part(index, len(parts[index]), receipt)
+            info = await upload.complete(len(data))
+            assert info.size == len(data)
+            assert await read_all(other, "shared/obj") == data
+
+        run_pair(target, body)
+        assert target.leftovers() == []
+
+    def test_remote_part_replaces_small_local_part(self, target: Target):
+        async def body(owner: Backend, other: Backend):
+            upload = await owner.open_upload("tiny")
+            await upload.write_part(0, b"old!")
+            receipt = await other.write_remote_part("tiny", await upload.token(), 0, b"new!")
+            upload.add_remote_part(0, 4, receipt)  # the latest entry of a part wins
+            await upload.complete(4)
+            assert await read_all(owner, "tiny") == b"new!"
+
+        run_pair(target, body)
+        assert target.leftovers() == []
+
+    def test_bad_tokens_rejected(self, target: Target):
+        async def body(owner: Backend, other: Backend):
+            upload = await owner.open_upload("a")
+            token = await upload.token()
+            fields = json.loads(token)
+            bad = [
+                "",
+                "not json",
+                "[]",
+                "{}",
+                json.dumps({**fields, "kind": "elsewhere"}),
+                json.dumps({"kind": fields["kind"], "key": "a", "part_bytes": P}),
+                json.dumps({**fields, "key": "b"}),
+                "x" * 100_000,
+            ]
+            for candidate in bad:
+                with pytest.raises(InvalidArgument):
+                    await other.write_remote_part("a", candidate, 0, b"x")
+            with pytest.raises(InvalidArgument, match="is for 'a', not 'b'"):
+                await other.write_remote_part("b", token, 0, b"x")
+            with pytest.raises(InvalidArgument, match="parts"):
+                await other.write_remote_part("a", token, 0, b"x", part_bytes=2 * P)
+            with pytest.raises(BackendError, match="bad backend key"):
+                await other.write_remote_part("../a", token, 0, b"x")
+            with pytest.raises(InvalidArgument):
+                upload.add_remote_part(0, 1, "")
+            await upload.abort()
+
+        run_pair(target, body)
+        assert target.leftovers() == []
+
+    def test_remote_part_wrong_length_caught_at_complete(self, target: Target):
+        data = os.urandom(2 * P)
+
+        async def body(owner: Backend, other: Backend):
+            upload = await owner.open_upload("short")
+            token = await upload.token()
+            receipt = await other.write_remote_part("short", token, 0, data[: P // 2])  # a short middle part
+            upload.add_remote_part(0, P // 2, receipt)
+            await upload.write_part(1, data[P:])
+            with pytest.raises(BackendError, match="wrong-length parts \\[0\\]"):
+                await upload.complete(2 * P)
+            upload.add_remote_part(0, P, await other.write_remote_part("short", token, 0, data[:P]))
+            await upload.complete(2 * P)
+            assert await read_all(other, "short") == data
+
+        run_pair(target, body)
+        assert target.leftovers() == []
+
+    def test_remote_write_after_complete_or_abort_fails(self, target: Target):
+        async def body(owner: Backend, other: Backend):
+            for end in ("complete", "abort"):
+                upload = await owner.open_upload(f"ended-{end}")
+                token = await upload.token()
+                upload.add_remote_part(0, 4, await other.write_remote_part(f"ended-{end}", token, 0, b"data"))
+                await (upload.complete(4) if end == "complete" else upload.abort())
+                with pytest.raises(self.ended_upload_error):
+                    await other.write_remote_part(f"ended-{end}", token, 0, b"late")
+                with pytest.raises(BackendError, match="already"):
+                    await upload.token()
+            assert await read_all(other, "ended-complete") == b"data"
+            assert await owner.stat("ended-abort") is None
+
+        run_pair(target, body)
+        assert target.leftovers() == []
 
     # --- reads and listings -----------------------------------------------------------------
 
@@ -422,6 +586,67 @@ class TestLocal(BackendConformance):
         with pytest.raises(ConfigError, match="s3_endpoint"):
             run(Target(target.url, {"s3_endpoint": "http://x"}), lambda b: trio.sleep(0))
 
+    def test_token_names_only_a_temp_beside_the_key(self, target: Target):
+        root = target.url[len("file://") :]
+
+        async def body(owner: Backend, other: Backend):
+            upload = await owner.open_upload("d/k")
+            fields = json.loads(await upload.token())
+            (temp,) = _temp_files(root)
+            assert os.path.basename(temp).startswith(UPLOAD_TEMP_PREFIX + fields["temp"] + ".")
+            for evil in ("../../../etc/passwd", "/tmp/x", fields["temp"] + "/..", fields["temp"].upper()):
+                with pytest.raises(InvalidArgument):
+                    await other.write_remote_part("d/k", json.dumps({**fields, "temp": evil}), 0, b"x")
+            await upload.abort()
+
+        run_pair(target, body)
+
+    def test_receipt_must_match_length(self, target: Target):
+        async def body(owner: Backend, other: Backend):
+            upload = await owner.open_upload("r")
+            receipt = await other.write_remote_part("r", await upload.token(), 0, b"12345")
+            with pytest.raises(InvalidArgument, match="not for 9 bytes"):
+                upload.add_remote_part(0, 9, receipt)  # the bytes beyond 5 would be a hole of zeros
+            await upload.abort()
+
+        run_pair(target, body)
+
+    def test_publish_waits_for_a_remote_write_in_flight(self, target: Target):
+        root = target.url[len("file://") :]
+
+        async def body(owner: Backend, other: Backend):
+            upload = await owner.open_upload("locked")
+            upload.add_remote_part(0, 1, await other.write_remote_part("locked", await upload.token(), 0, b"x"))
+            (temp,) = _temp_files(root)
+            fd = os.open(temp, os.O_RDWR)  # a remote writer between its lock and its write
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(upload.complete, 1)
+                try:
+                    await trio.sleep(0.3)
+                    early = await owner.stat("locked")
+                finally:
+                    os.close(fd)  # drops the lock
+            assert early is None  # the rename waited for the writer
+            assert await read_all(owner, "locked") == b"x"
+
+        run_pair(target, body)
+
+    def test_copy_part_uses_copy_file_range(self, target: Target, monkeypatch):
+        calls = []
+        real = os.copy_file_range
+        monkeypatch.setattr(os, "copy_file_range", lambda *args: calls.append(args) or real(*args))
+
+        async def body(b: Backend):
+            info = await put(b, "src", b"0123456789")
+            upload = await b.open_upload("dst")
+            await upload.copy_part(0, "src", 2, 5, if_etag=info.etag)
+            await upload.complete(5)
+            assert await read_all(b, "dst") == b"23456"
+
+        run(target, body)
+        assert calls  # in the kernel, not through this process (supports_server_copy)
+
 
 def _umask() -> int:
     mask = os.umask(0)
@@ -442,9 +667,27 @@ class TestMemory(BackendConformance):
         with pytest.raises(ConfigError, match="nosuchproto"):
             run(Target("nosuchproto://x"), lambda b: trio.sleep(0))
 
+    def test_remote_parts_not_supported(self, target: Target):
+        async def body(b: Backend):
+            assert not b.supports_remote_parts
+            upload = await b.open_upload("k")
+            with pytest.raises(NotSupported):
+                await upload.token()
+            with pytest.raises(NotSupported):
+                upload.add_remote_part(0, 1, "1")
+            with pytest.raises(NotSupported):
+                await b.write_remote_part("k", "{}", 0, b"x")
+            await upload.abort()
+
+        run(target, body)
+        assert target.leftovers() == []
+
 
 class TestS3(BackendConformance):
     """moto on loopback; every test gets its own bucket and works under a prefix."""
+
+    # S3 answers NoSuchUpload (404); moto 5 fails with a KeyError, a 500.
+    ended_upload_error = (BackendNotFound, TransientBackendError)
 
     @pytest.fixture
     def target(self, s3_server: S3Server) -> Target:
@@ -503,6 +746,42 @@ class TestS3(BackendConformance):
                 await upload.complete(len(data))
             await upload.abort()
             assert await read_all(b, "gone") == b"someone else's object"
+
+        run(target, body)
+
+    def test_token_of_another_prefix_rejected(self, target: Target):
+        async def body(b: Backend):
+            upload = await b.open_upload("k")
+            token = await upload.token()
+            elsewhere = await open_backend(target.url.replace("/pre/fix", "/pre/other"), target.options)
+            try:
+                with pytest.raises(InvalidArgument, match="is for s3://.*/pre/fix, not s3://.*/pre/other"):
+                    await elsewhere.write_remote_part("k", token, 0, b"x")
+            finally:
+                await elsewhere.aclose()
+            await upload.abort()
+
+        run(target, body)
+        assert target.leftovers() == []
+
+    def test_copy_part_sends_copy_source_if_match(self, target: Target):
+        # moto ignores CopySourceIfMatch (the HEAD before the copy catches a
+        # change there); real S3 answers 412, mapped to SourceChanged.
+        async def body(b: Backend):
+            real_call, sent = b._call, []
+
+            async def spy(what, method, **kwargs):
+                if method == "upload_part_copy":
+                    sent.append(kwargs.get("CopySourceIfMatch"))
+                return await real_call(what, method, **kwargs)
+
+            b._call = spy
+            etag = (await put(b, "src", os.urandom(P))).etag
+            upload = await b.open_upload("dst")
+            await upload.copy_part(0, "src", 0, P, if_etag=etag)
+            await upload.copy_part(0, "src", 0, P)
+            await upload.complete(P)
+            assert sent == [f'"{etag}"', None]
 
         run(target, body)
 
@@ -585,6 +864,7 @@ def _client_error(code: str, status: int) -> Exception:
         ("AccessDenied", 403, BackendError),
         ("InvalidRequest", 400, BackendError),
         ("NoSuchBucket", 404, BackendError),
+        ("PreconditionFailed", 412, SourceChanged),
     ],
 )
 def test_s3_client_errors_mapped(code: str, status: int, want: type):

@@ -2,9 +2,10 @@
 
 Owns: ``ObjectInfo``, the ``Backend`` / ``Upload`` contracts, key validation
 (a key can never name anything outside the backend root), the part ledger
-that decides when an upload may complete, and the one way a blocking call
-leaves the trio thread.  Must never import anything of the filesystem above
-it except ``aiturbofs._limits`` and ``aiturbofs._errors``, and must never
+that decides when an upload may complete, the format of the tokens with
+which other processes write parts, and the one way a blocking call leaves
+the trio thread.  Must never import anything of the filesystem above it
+except ``aiturbofs._limits`` and ``aiturbofs._errors``, and must never
 retry: the caller (the persister) owns retries and backoff.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import math
 import os
 from abc import ABC, abstractmethod
@@ -23,8 +25,21 @@ import trio
 
 from .._threads import background
 
-from .._errors import BackendError, BackendNotFound, ConfigError, TransientBackendError
-from .._limits import BACKEND_CALL_TIMEOUT_S, BACKEND_COPY_PART_BYTES, CHUNK_BYTES, PATH_BYTES_MAX
+from .._errors import (
+    BackendError,
+    BackendNotFound,
+    ConfigError,
+    InvalidArgument,
+    NotSupported,
+    TransientBackendError,
+)
+from .._limits import (
+    BACKEND_CALL_TIMEOUT_S,
+    BACKEND_COPY_PART_BYTES,
+    CHUNK_BYTES,
+    PATH_BYTES_MAX,
+    UPLOAD_TOKEN_BYTES_MAX,
+)
 
 # Hidden names of half-written uploads: no listing ever shows them, and no
 # key may use them, so a user file can never collide with one.
@@ -136,6 +151,54 @@ def option_bool(options: dict[str, Any], name: str, default: bool) -> bool:
     raise ConfigError(f"backend option {name}={value!r} is not a boolean")
 
 
+# --- remote-part tokens ----------------------------------------------------------------
+
+
+def make_token(kind: str, key: str, part_bytes: int, **fields: str) -> str:
+    """The token of an upload of ``key``: JSON, ASCII (keys may hold escaped surrogates).
+
+    Raises ``BackendError`` (ENAMETOOLONG) beyond UPLOAD_TOKEN_BYTES_MAX,
+    which only keys full of escaped characters reach.
+    """
+    token = json.dumps({"kind": kind, "key": key, "part_bytes": part_bytes, **fields}, separators=(",", ":"))
+    if len(token) > UPLOAD_TOKEN_BYTES_MAX:
+        raise BackendError(f"upload token of {key!r} is over {UPLOAD_TOKEN_BYTES_MAX} bytes", errno_=errno.ENAMETOOLONG)
+    return token
+
+
+def parse_token(token: str, kind: str, key: str, part_bytes: int, *names: str) -> list[str]:
+    """The string fields ``names`` of a ``make_token`` token for ``key`` on this kind of backend.
+
+    Raises ``InvalidArgument`` if the token is malformed, too long, for
+    another kind of backend or another key, or was made for another part size.
+    """
+    if not isinstance(token, str):
+        raise TypeError(f"upload token must be str, not {type(token).__name__}")
+    try:
+        if len(token) > UPLOAD_TOKEN_BYTES_MAX:
+            raise ValueError(f"longer than {UPLOAD_TOKEN_BYTES_MAX} characters")
+        fields = json.loads(token)
+        if not isinstance(fields, dict) or fields.get("kind") != kind:
+            raise ValueError(f"not a token of a {kind}:// upload")
+        values = [fields.get(name) for name in names]
+        if not all(isinstance(value, str) and value for value in values):
+            raise ValueError(f"want non-empty strings {', '.join(names)}")
+    except ValueError as e:  # json.JSONDecodeError included
+        raise InvalidArgument(f"bad upload token for {key!r}: {e}") from None
+    if fields.get("key") != key:
+        raise InvalidArgument(f"upload token is for {fields.get('key')!r}, not {key!r}")
+    if fields.get("part_bytes") != part_bytes:
+        raise InvalidArgument(f"upload token of {key!r} is for {fields.get('part_bytes')}-byte parts, not {part_bytes}")
+    return values
+
+
+def byte_view(data: Buffer) -> Buffer:
+    """``data`` such that ``len()`` counts bytes, not items."""
+    if isinstance(data, memoryview) and (data.ndim != 1 or data.format not in ("B", "b", "c")):
+        return data.cast("B")
+    return data
+
+
 # --- leaving the trio thread ----------------------------------------------------------
 
 
@@ -189,6 +252,13 @@ class Upload(ABC):
     ``key`` before ``complete`` returns.  Callers must end every upload with
     ``complete`` or ``abort`` (put ``abort`` in a ``finally``).
 
+    Where ``Backend.supports_remote_parts``, other processes (other hosts
+    sharing the backend) may write parts too: ``token`` names the upload,
+    ``Backend.write_remote_part`` writes a part with it and returns a
+    receipt, and ``add_remote_part`` enters that part in this upload's
+    ledger.  The owner must not ``complete`` while a remote write of a part
+    may still be running: wait for its receipt or its failure first.
+
     Misuse that only a bug can cause (negative index, oversized part,
     ``complete`` while parts are still being written) raises ``ValueError``.
     """
@@ -209,24 +279,54 @@ class Upload(ABC):
         ``TransientBackendError`` (worth retrying), ``BackendError`` (the
         upload was completed or aborted, or the backend refused).
         """
-        if isinstance(data, memoryview) and (data.ndim != 1 or data.format not in ("B", "b", "c")):
-            data = data.cast("B")  # len() must count bytes, not items
+        data = byte_view(data)
         self._check_part(index, len(data))
         await self._part_op(index, len(data), self._write_part, index, data)
 
-    async def copy_part(self, index: int, src_key: str, offset: int, length: int) -> None:
+    async def copy_part(
+        self, index: int, src_key: str, offset: int, length: int, *, if_etag: str | None = None
+    ) -> None:
         """Make part ``index`` bytes ``[offset, offset+length)`` of object ``src_key``.
 
         Server-side where ``Backend.supports_server_copy``; otherwise the
-        bytes pass through this process.  Raises ``BackendNotFound`` if
-        ``src_key`` is missing, ``BackendError`` if it is shorter than the
-        range or the key is bad, ``TransientBackendError``.
+        bytes pass through this process.  With ``if_etag``, only from the
+        version of ``src_key`` whose ``ObjectInfo.etag`` that is: any other
+        raises ``SourceChanged`` and the part counts as missing (write its
+        bytes instead).  Raises ``BackendNotFound`` if ``src_key`` is
+        missing, ``BackendError`` if it is shorter than the range or the key
+        is bad, ``TransientBackendError``.
         """
         check_key(src_key)
         if offset < 0:
             raise ValueError(f"copy_part offset {offset} < 0")
         self._check_part(index, length)
-        await self._part_op(index, length, self._copy_part, index, src_key, offset, length)
+        await self._part_op(index, length, self._copy_part, index, src_key, offset, length, if_etag)
+
+    async def token(self) -> str:
+        """A string with which another process writes parts of this upload
+        (``Backend.write_remote_part``); the same for every call.
+
+        Raises ``NotSupported`` unless ``Backend.supports_remote_parts``,
+        ``BackendError`` if the upload is no longer open, and (S3, which
+        creates its multipart upload here) ``TransientBackendError``.
+        """
+        self._check_open()
+        return await self._token()
+
+    def add_remote_part(self, index: int, length: int, receipt: str) -> None:
+        """Enter part ``index`` of ``length`` bytes, written elsewhere with the
+        receipt ``receipt``, in the ledger: ``complete`` then includes it.
+
+        Like ``write_part``, the latest entry of a part wins.  Raises
+        ``InvalidArgument`` for a malformed receipt (or, locally, one that
+        contradicts ``length``), ``BackendError`` if the upload is not open,
+        ``NotSupported`` where there are no remote parts.
+        """
+        self._check_part(index, length)
+        if not isinstance(receipt, str) or not 0 < len(receipt) <= UPLOAD_TOKEN_BYTES_MAX:
+            raise InvalidArgument(f"bad receipt for part {index} of {self.key!r}: {receipt!r:.100}")
+        self._add_remote_part(index, length, receipt)
+        self._part_lengths[index] = length
 
     async def complete(self, size: int) -> ObjectInfo:
         """Publish the object at ``key`` with ``size`` bytes, replacing any old one.
@@ -274,7 +374,7 @@ class Upload(ABC):
     async def _write_part(self, index: int, data: Buffer) -> None: ...
 
     @abstractmethod
-    async def _copy_part(self, index: int, src_key: str, offset: int, length: int) -> None: ...
+    async def _copy_part(self, index: int, src_key: str, offset: int, length: int, if_etag: str | None) -> None: ...
 
     @abstractmethod
     async def _complete(self, size: int, part_count: int) -> ObjectInfo: ...
@@ -282,6 +382,12 @@ class Upload(ABC):
     @abstractmethod
     async def _abort(self) -> None:
         """Idempotent: may run again after a failure or after a failed complete."""
+
+    async def _token(self) -> str:
+        raise NotSupported(f"upload of {self.key!r}: this backend cannot take parts from other processes")
+
+    def _add_remote_part(self, index: int, length: int, receipt: str) -> None:
+        raise NotSupported(f"upload of {self.key!r}: this backend cannot take parts from other processes")
 
     # -- ledger --
 
@@ -350,7 +456,8 @@ class Backend(ABC):
     """
 
     url: str
-    supports_server_copy: bool = False
+    supports_server_copy: bool = False  # copy_part and copy move no bytes through this process
+    supports_remote_parts: bool = False  # Upload.token / write_remote_part work (see Upload)
 
     @classmethod
     @abstractmethod
@@ -383,6 +490,31 @@ class Backend(ABC):
 
     @abstractmethod
     async def _open_upload(self, key: str, part_bytes: int) -> Upload: ...
+
+    async def write_remote_part(
+        self, key: str, token: str, index: int, data: Buffer, *, part_bytes: int = CHUNK_BYTES
+    ) -> str:
+        """Write ``data`` as part ``index`` of the upload of ``key`` that ``token``
+        (``Upload.token``, maybe of another process) names; return the receipt
+        the upload's owner passes to ``Upload.add_remote_part``.
+
+        ``part_bytes`` must be the upload's.  ``data`` is borrowed until this
+        returns.  Raises ``NotSupported`` unless ``supports_remote_parts``,
+        ``InvalidArgument`` for a malformed token or one for another key,
+        ``BackendNotFound`` if the upload was completed or aborted,
+        ``BackendError``, ``TransientBackendError``.  A write racing the
+        owner's ``abort`` may succeed into nothing.
+        """
+        check_key(key)
+        data = byte_view(data)
+        if index < 0 or not 0 < len(data) <= part_bytes:
+            raise ValueError(f"remote part {index} of {key!r}: {len(data)} bytes, want 1..{part_bytes}")
+        if not self.supports_remote_parts:
+            raise NotSupported(f"{self.url}: this backend cannot take parts from other processes")
+        return await self._write_remote_part(key, token, index, data, part_bytes)
+
+    async def _write_remote_part(self, key: str, token: str, index: int, data: Buffer, part_bytes: int) -> str:
+        raise NotImplementedError("a backend that supports_remote_parts implements _write_remote_part")
 
     async def copy(self, src: str, dst: str) -> None:
         """Copy object ``src`` to ``dst`` (replacing it), creating parent dirs.
@@ -432,7 +564,10 @@ class Backend(ABC):
         upload = await self._open_upload(dst, part_bytes)
         try:
             for index, offset in enumerate(range(0, src.size, part_bytes)):
-                await upload.copy_part(index, src.key, offset, min(part_bytes, src.size - offset))
+                # Every part from the version stat saw: a source replaced
+                # meanwhile fails the copy instead of mixing two versions.
+                size = min(part_bytes, src.size - offset)
+                await upload.copy_part(index, src.key, offset, size, if_etag=src.etag)
             await upload.complete(src.size)
         except BaseException:
             # The copy's own error is the one to report; a failed cleanup

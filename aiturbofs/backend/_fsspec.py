@@ -23,7 +23,7 @@ import fsspec
 import trio
 from fsspec.exceptions import FSTimeoutError
 
-from .._errors import BackendError, BackendNotFound, ConfigError, TransientBackendError
+from .._errors import BackendError, BackendNotFound, ConfigError, SourceChanged, TransientBackendError
 from .._limits import BACKEND_THREADS_MAX, LIST_ENTRIES_MAX
 from ._base import (
     UPLOAD_TEMP_PREFIX,
@@ -70,10 +70,13 @@ class FsspecBackend(Backend):
     ``upload_tmp_dir`` (where parts are staged; default: the system temp
     dir), ``call_timeout_s``.  ``copy_part`` works but moves the bytes
     through this process, hence ``supports_server_copy = False``.
-    ``complete`` is as atomic as the filesystem's ``put_file``.
+    ``complete`` is as atomic as the filesystem's ``put_file``.  Parts are
+    staged in this process's temp dir, so no other process can write them
+    (``supports_remote_parts = False``).
     """
 
     supports_server_copy = False
+    supports_remote_parts = False
     _OPTIONS = {"fsspec_options", "upload_tmp_dir", "call_timeout_s"}
 
     def __init__(self, url: str, fs: fsspec.AbstractFileSystem, root: str, tmp_dir: str | None, timeout_s: float):
@@ -232,9 +235,15 @@ class FsspecUpload(Upload):
             f"write part {index} of {self.key!r}", pwrite_all, self._fd, data, index * self.part_bytes, cancellable=False
         )
 
-    async def _copy_part(self, index: int, src_key: str, offset: int, length: int) -> None:
+    async def _copy_part(self, index: int, src_key: str, offset: int, length: int, if_etag: str | None) -> None:
         what = f"copy {src_key!r}[{offset}:{offset + length}] to part {index} of {self.key!r}"
         data = await self._backend.read_range(src_key, offset, length)
+        if if_etag is not None:
+            # Looked at after the read: unchanged now, it was unchanged then.
+            info = await self._backend.stat(src_key)
+            etag = None if info is None else info.etag
+            if etag != if_etag:
+                raise SourceChanged(f"{what}: the source's etag is {etag}, not {if_etag}")
         if len(data) < length:
             raise BackendError(f"{what}: the source ends at byte {offset + len(data)}")
         await self._write_part(index, data)

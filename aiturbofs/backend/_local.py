@@ -2,14 +2,18 @@
 
 Owns: mapping keys to paths under the root, crash-safe publishing (parts go
 into a hidden temp file beside the target, which is fsynced and renamed over
-it), and turning ``OSError`` into the backend error vocabulary in one place
-(``_mapped``).  Every os call runs in a worker thread; nothing here retries.
+it), parts written into that temp file by other processes (``flock`` keeps
+them from landing after the rename), and turning ``OSError`` into the
+backend error vocabulary in one place (``_mapped``).  Every os call runs in
+a worker thread; nothing here retries.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import re
 import secrets
 import stat as stat_mod
 from collections.abc import Iterator
@@ -18,7 +22,7 @@ from typing import Any
 
 import trio
 
-from .._errors import BackendError, BackendNotFound, TransientBackendError
+from .._errors import BackendError, BackendNotFound, InvalidArgument, SourceChanged, TransientBackendError
 from .._limits import BACKEND_THREADS_MAX, CHUNK_BYTES, LIST_ENTRIES_MAX, NAME_BYTES_MAX
 from ._base import (
     UPLOAD_TEMP_PREFIX,
@@ -28,6 +32,8 @@ from ._base import (
     Upload,
     check_key,
     join_key,
+    make_token,
+    parse_token,
     pwrite_all,
     run_sync,
     take_options,
@@ -57,6 +63,10 @@ _TRANSIENT_ERRNOS = frozenset(
 # copy_file_range cannot work here (other filesystem, old kernel, special
 # file): fall back to reading and writing.
 _NO_COPY_FILE_RANGE_ERRNOS = frozenset({errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL})
+# The random part of an upload temp name; a token carries only this, so it
+# can name no file but an upload temp beside its own key.
+_TEMP_NONCE_BYTES = 8
+_TEMP_NONCE = re.compile(f"[0-9a-f]{{{2 * _TEMP_NONCE_BYTES}}}")
 
 
 @contextmanager
@@ -80,6 +90,7 @@ class LocalBackend(Backend):
     """
 
     supports_server_copy = True  # copy_file_range: no bytes through this process
+    supports_remote_parts = True  # into the temp file, by any process that sees the root at the same path
     _OPTIONS = {"call_timeout_s"}
 
     def __init__(self, root: str, timeout_s: float):
@@ -116,9 +127,20 @@ class LocalBackend(Backend):
 
     async def _open_upload(self, key: str, part_bytes: int) -> "LocalUpload":
         path = self._path(key)
+        nonce = secrets.token_hex(_TEMP_NONCE_BYTES)
         # Not cancellable: an abandoned create would leak the fd and the temp file.
-        tmp_path, fd = await self._run(f"start upload of {key!r}", _create_temp_sync, path, cancellable=False)
-        return LocalUpload(self, key, part_bytes, path, tmp_path, fd)
+        tmp_path, fd = await self._run(f"start upload of {key!r}", _create_temp_sync, path, nonce, cancellable=False)
+        return LocalUpload(self, key, part_bytes, path, tmp_path, fd, nonce)
+
+    async def _write_remote_part(self, key: str, token: str, index: int, data: Buffer, part_bytes: int) -> str:
+        (nonce,) = parse_token(token, "file", key, part_bytes, "temp")
+        if not _TEMP_NONCE.fullmatch(nonce):
+            raise InvalidArgument(f"bad upload token for {key!r}: temp {nonce!r}")
+        path = self._path(key)
+        tmp_path = os.path.join(os.path.dirname(path), _temp_name(os.path.basename(path), nonce))
+        what = f"write remote part {index} of {key!r}"
+        await self._run(what, _write_remote_sync, tmp_path, data, index * part_bytes, cancellable=False)
+        return str(len(data))  # the receipt: add_remote_part checks it against the length
 
     async def move(self, src: str, dst: str) -> None:
         """Rename, atomically; a directory moves too, but only here (not portable)."""
@@ -153,18 +175,25 @@ class LocalBackend(Backend):
 
 
 class LocalUpload(Upload):
-    """Parts are pwrite()n into ``.aiturbo-upload.<random>.<name>`` beside the target.
+    """Parts are pwrite()n into ``.aiturbo-upload.<nonce>.<name>`` beside the target.
 
     Writes are not cancellable (see ``run_sync``): a write the caller gave up
-    on must not land after the part was re-sent.
+    on must not land after the part was re-sent.  Once a token was handed
+    out, publishing takes an exclusive ``flock`` on the temp file, and remote
+    writers a shared one (``_write_remote_sync``), so a remote write either
+    ends before the rename or finds the temp gone.
     """
 
-    def __init__(self, backend: LocalBackend, key: str, part_bytes: int, path: str, tmp_path: str, fd: int):
+    def __init__(
+        self, backend: LocalBackend, key: str, part_bytes: int, path: str, tmp_path: str, fd: int, nonce: str
+    ):
         super().__init__(key, part_bytes)
         self._backend = backend
         self._path = path
         self._tmp_path = tmp_path
         self._fd: int | None = fd
+        self._nonce = nonce
+        self._shared = False  # a token was handed out: other processes may write parts
         self._published = False  # the temp file has been renamed onto the target
 
     async def _write_part(self, index: int, data: Buffer) -> None:
@@ -177,15 +206,26 @@ class LocalUpload(Upload):
             cancellable=False,
         )
 
-    async def _copy_part(self, index: int, src_key: str, offset: int, length: int) -> None:
+    async def _copy_part(self, index: int, src_key: str, offset: int, length: int, if_etag: str | None) -> None:
         what = f"copy {src_key!r}[{offset}:{offset + length}] to part {index} of {self.key!r}"
         src_path = self._backend._path(src_key)
         dst_offset = index * self.part_bytes
-        copied = await self._backend._run(
-            what, _copy_range_sync, src_path, self._fd, offset, dst_offset, length, cancellable=False
+        etag, copied = await self._backend._run(
+            what, _copy_range_sync, src_path, self._fd, offset, dst_offset, length, if_etag, cancellable=False
         )
+        if if_etag is not None and etag != if_etag:
+            raise SourceChanged(f"{what}: the source's etag is {etag}, not {if_etag}")
         if copied < length:
             raise BackendError(f"{what}: the source ends at byte {offset + copied}")
+
+    async def _token(self) -> str:
+        self._shared = True
+        return make_token("file", self.key, self.part_bytes, temp=self._nonce)
+
+    def _add_remote_part(self, index: int, length: int, receipt: str) -> None:
+        # A shorter remote write would leave a hole of zeros that complete cannot see.
+        if receipt != str(length):
+            raise InvalidArgument(f"part {index} of {self.key!r}: receipt {receipt!r:.100} is not for {length} bytes")
 
     async def _complete(self, size: int, part_count: int) -> ObjectInfo:
         st = await self._backend._run(f"publish {self.key!r}", self._publish_sync, size, cancellable=False)
@@ -198,9 +238,16 @@ class LocalUpload(Upload):
         # Steps already done by an earlier attempt that failed later are skipped,
         # so complete() can be retried.
         if not self._published:
-            os.ftruncate(self._fd, size)  # also drops the tail of a longer earlier last part
-            os.fsync(self._fd)
-            os.replace(self._tmp_path, self._path)
+            if self._shared:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)  # waits for remote writes in flight
+            try:
+                os.ftruncate(self._fd, size)  # also drops the tail of a longer earlier last part
+                os.fsync(self._fd)
+                os.replace(self._tmp_path, self._path)
+            except BaseException:
+                if self._shared:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)  # remote re-sends may come before the retry
+                raise
             self._published = True
         _fsync_dir(os.path.dirname(self._path))
         self._close_sync()
@@ -247,8 +294,13 @@ def _info(key: str, st: os.stat_result) -> ObjectInfo | None:
     if stat_mod.S_ISDIR(st.st_mode):
         return ObjectInfo(key, 0, st.st_mtime_ns, None, True)
     if stat_mod.S_ISREG(st.st_mode):
-        return ObjectInfo(key, st.st_size, st.st_mtime_ns, f"{st.st_mtime_ns}-{st.st_size}", False)
+        return ObjectInfo(key, st.st_size, st.st_mtime_ns, _etag(st), False)
     return None
+
+
+def _etag(st: os.stat_result) -> str | None:
+    """An object's etag: a publish (rename) brings a new mtime; None for non-objects."""
+    return f"{st.st_mtime_ns}-{st.st_size}" if stat_mod.S_ISREG(st.st_mode) else None
 
 
 def _list_sync(path: str, key: str) -> list[ObjectInfo]:
@@ -295,9 +347,9 @@ def _pread_sync(path: str, offset: int, length: int) -> bytes:
         os.close(fd)
 
 
-def _temp_name(basename: str) -> str:
-    """A hidden, unique sibling name that still fits NAME_BYTES_MAX."""
-    head = f"{UPLOAD_TEMP_PREFIX}{secrets.token_hex(8)}."
+def _temp_name(basename: str, nonce: str) -> str:
+    """A hidden sibling name, unique by ``nonce``, that still fits NAME_BYTES_MAX."""
+    head = f"{UPLOAD_TEMP_PREFIX}{nonce}."
     tail = os.fsencode(basename)[: NAME_BYTES_MAX - len(head)]
     return head + os.fsdecode(tail)
 
@@ -308,9 +360,9 @@ def _temp_name(basename: str) -> str:
 _DIR_RACE_TRIES = 3
 
 
-def _create_temp_sync(path: str) -> tuple[str, int]:
+def _create_temp_sync(path: str, nonce: str) -> tuple[str, int]:
     parent = os.path.dirname(path)
-    tmp_path = os.path.join(parent, _temp_name(os.path.basename(path)))
+    tmp_path = os.path.join(parent, _temp_name(os.path.basename(path), nonce))
     for attempt in range(_DIR_RACE_TRIES):
         os.makedirs(parent, exist_ok=True)
         try:
@@ -322,16 +374,53 @@ def _create_temp_sync(path: str) -> tuple[str, int]:
     raise AssertionError("unreachable")
 
 
-def _copy_range_sync(src_path: str, dst_fd: int, src_offset: int, dst_offset: int, length: int) -> int:
-    """Copy up to ``length`` bytes; return how many (fewer only if the source ends)."""
+def _copy_range_sync(
+    src_path: str, dst_fd: int, src_offset: int, dst_offset: int, length: int, if_etag: str | None
+) -> tuple[str | None, int]:
+    """Copy up to ``length`` bytes unless the source's etag is not ``if_etag`` (if given).
+
+    Returns the source's etag and how many bytes were copied (fewer only if
+    the source ends; none if the etag differs).  The etag is read from the
+    open source, so a replace (rename) after the check cannot change what is
+    copied.
+    """
     src_fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
     try:
+        etag = _etag(os.fstat(src_fd))
+        if if_etag is not None and etag != if_etag:
+            return etag, 0
         done = _copy_file_range(src_fd, dst_fd, src_offset, dst_offset, length)
         if done < length:
             done += _copy_by_reading(src_fd, dst_fd, src_offset + done, dst_offset + done, length - done)
-        return done
+        return etag, done
     finally:
         os.close(src_fd)
+
+
+def _write_remote_sync(tmp_path: str, data: Buffer, offset: int) -> None:
+    """pwrite a part into another process's upload temp, fsynced (its owner may be on another host)."""
+    gone = FileNotFoundError(errno.ENOENT, "no such upload (completed or aborted)")
+    try:
+        # O_RDWR: on NFS flock is a POSIX lock, and a shared one needs read access.
+        fd = os.open(tmp_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise gone from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        # The owner renames under LOCK_EX: a temp still at its name now stays there until we are done.
+        if not _still_linked(tmp_path, fd):
+            raise gone
+        pwrite_all(fd, data, offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)  # also drops the lock
+
+
+def _still_linked(path: str, fd: int) -> bool:
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(fd))
+    except FileNotFoundError:
+        return False
 
 
 def _copy_file_range(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, length: int) -> int:

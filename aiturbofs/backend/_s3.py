@@ -2,7 +2,8 @@
 
 Owns: keys -> S3 object keys under the prefix, "directories" as common
 prefixes, multipart uploads (lazily created, part ETags collected, one
-PutObject for a lone short part), server-side copies, and the one place
+PutObject for a lone short part, parts from other processes by UploadId),
+server-side copies (conditional on the source's ETag), and the one place
 botocore/aiohttp exceptions become backend errors (``_mapped``).
 
 s3fs runs an asyncio loop in its own thread.  Requests are coroutines run on
@@ -28,7 +29,14 @@ import botocore.exceptions as boto_errors
 import s3fs
 import trio
 
-from .._errors import BackendError, BackendNotFound, ConfigError, TransientBackendError
+from .._errors import (
+    BackendError,
+    BackendNotFound,
+    ConfigError,
+    InvalidArgument,
+    SourceChanged,
+    TransientBackendError,
+)
 from .._limits import (
     BACKEND_CONNECT_TIMEOUT_S,
     BACKEND_READ_TIMEOUT_S,
@@ -48,8 +56,10 @@ from ._base import (
     check_key,
     is_valid_name,
     join_key,
+    make_token,
     option_bool,
     option_float,
+    parse_token,
     take_options,
     timeout_option,
 )
@@ -76,6 +86,8 @@ _TRANSIENT_CODES = frozenset(
 )
 # "The thing you named is gone" (HEAD answers carry only the status: "404").
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404", "NoSuchUpload"})
+# A conditional request's condition failed: only CopySourceIfMatch is sent.
+_CHANGED_CODES = frozenset({"PreconditionFailed", "412"})
 # Connection trouble below the HTTP layer: refused, reset, timed out, DNS.
 _TRANSIENT_EXCEPTIONS = (
     boto_errors.HTTPClientError,  # ReadTimeoutError, ConnectionClosedError...
@@ -116,6 +128,8 @@ def _client_error(what: str, e: boto_errors.ClientError) -> BackendError:
         return TransientBackendError(message)
     if code in _NOT_FOUND_CODES:
         return BackendNotFound(message)
+    if code in _CHANGED_CODES or status == 412:
+        return SourceChanged(message)
     if status == 403:
         return BackendError(message, errno_=errno.EACCES)
     return BackendError(message)
@@ -157,6 +171,7 @@ class S3Backend(Backend):
     """
 
     supports_server_copy = True  # CopyObject / UploadPartCopy
+    supports_remote_parts = True  # UploadPart with the owner's UploadId
     list_page_keys = 1000  # S3's own maximum; tests lower it to exercise paging
     _OPTIONS = {"s3_endpoint", "s3_region", "s3_anon", "s3_key", "s3_secret", "s3_connect_timeout", "call_timeout_s"}
 
@@ -223,6 +238,13 @@ class S3Backend(Backend):
             raise ValueError(f"S3 parts must be at least {S3_PART_BYTES_MIN} bytes, not {part_bytes}")
         return S3Upload(self, key, part_bytes)
 
+    async def _write_remote_part(self, key: str, token: str, index: int, data: Buffer, part_bytes: int) -> str:
+        root, upload_id = parse_token(token, "s3", key, part_bytes, "root", "upload_id")
+        if root != self.url:  # the same key under another bucket or prefix is another object
+            raise InvalidArgument(f"upload token of {key!r} is for {root}, not {self.url}")
+        _check_part_number(key, index, part_bytes)
+        return await self._upload_part(f"write remote part {index} of {key!r}", key, upload_id, index, data)
+
     async def copy(self, src: str, dst: str) -> None:
         """CopyObject, or UploadPartCopy part by part above S3_COPY_OBJECT_BYTES_MAX."""
         check_key(dst)
@@ -266,6 +288,18 @@ class S3Backend(Backend):
 
     def _s3_key(self, key: str) -> str:
         return join_key(self._prefix, key) if key else self._prefix
+
+    async def _upload_part(self, what: str, key: str, upload_id: str, index: int, data: Buffer) -> str:
+        response = await self._call(
+            what,
+            "upload_part",
+            Bucket=self._bucket,
+            Key=self._s3_key(key),
+            UploadId=upload_id,
+            PartNumber=index + 1,
+            Body=data,
+        )
+        return response["ETag"]
 
     def _dir_prefix(self, key: str) -> str:
         full = self._s3_key(key)
@@ -338,32 +372,25 @@ class S3Upload(Upload):
         self._create_lock = trio.Lock()
         self._etags: dict[int, str] = {}
         self._small: bytes | None = None  # a short part 0, sent at complete
-        self._source_sizes: dict[str, int] = {}
+        self._sources: dict[str, ObjectInfo] = {}
         self._published = False
 
     async def _write_part(self, index: int, data: Buffer) -> None:
-        self._check_part_number(index)
+        _check_part_number(self.key, index, self.part_bytes)
         if index == 0 and len(data) < min(self.part_bytes, S3_PUT_BYTES_MAX):
             self._small = bytes(data)  # data is only borrowed until we return
             self._etags.pop(0, None)
             return
         upload_id = await self._multipart_id()
-        response = await self._b._call(
-            f"write part {index} of {self.key!r}",
-            "upload_part",
-            Bucket=self._b._bucket,
-            Key=self._s3_key,
-            UploadId=upload_id,
-            PartNumber=index + 1,
-            Body=data,
-        )
-        self._store_etag(index, response["ETag"])
+        etag = await self._b._upload_part(f"write part {index} of {self.key!r}", self.key, upload_id, index, data)
+        self._store_etag(index, etag)
 
-    async def _copy_part(self, index: int, src_key: str, offset: int, length: int) -> None:
-        self._check_part_number(index)
+    async def _copy_part(self, index: int, src_key: str, offset: int, length: int, if_etag: str | None) -> None:
+        _check_part_number(self.key, index, self.part_bytes)
         what = f"copy {src_key!r}[{offset}:{offset + length}] to part {index} of {self.key!r}"
-        await self._check_source(what, src_key, offset + length)
+        await self._check_source(what, src_key, offset + length, if_etag)
         upload_id = await self._multipart_id()
+        condition = {} if if_etag is None else {"CopySourceIfMatch": f'"{if_etag}"'}
         response = await self._b._call(
             what,
             "upload_part_copy",
@@ -373,8 +400,19 @@ class S3Upload(Upload):
             PartNumber=index + 1,
             CopySource={"Bucket": self._b._bucket, "Key": self._b._s3_key(src_key)},
             CopySourceRange=f"bytes={offset}-{offset + length - 1}",
+            **condition,
         )
         self._store_etag(index, response["CopyPartResult"]["ETag"])
+
+    async def _token(self) -> str:
+        upload_id = await self._multipart_id()
+        return make_token("s3", self.key, self.part_bytes, root=self._b.url, upload_id=upload_id)
+
+    def _add_remote_part(self, index: int, length: int, receipt: str) -> None:
+        _check_part_number(self.key, index, self.part_bytes)
+        if self._upload_id is None:
+            raise ValueError(f"remote part {index} of {self.key!r} added before any token was handed out")
+        self._store_etag(index, receipt)
 
     async def _complete(self, size: int, part_count: int) -> ObjectInfo:
         if not self._published:  # a retried complete goes straight to the check
@@ -416,14 +454,6 @@ class S3Upload(Upload):
             pass  # already gone
         self._upload_id = None
 
-    def _check_part_number(self, index: int) -> None:
-        if index >= S3_PARTS_MAX:
-            raise BackendError(
-                f"{self.key!r}: part {index} is beyond S3's {S3_PARTS_MAX} parts "
-                f"({S3_PARTS_MAX * self.part_bytes} bytes at most)",
-                errno_=errno.EFBIG,
-            )
-
     def _store_etag(self, index: int, etag: str) -> None:
         self._etags[index] = etag
         if index == 0:
@@ -441,15 +471,19 @@ class S3Upload(Upload):
                 self._upload_id = response["UploadId"]
             return self._upload_id
 
-    async def _check_source(self, what: str, src_key: str, end: int) -> None:
-        # Some S3 servers (moto) copy a range past the end short, silently.
-        if src_key not in self._source_sizes:
+    async def _check_source(self, what: str, src_key: str, end: int, if_etag: str | None) -> None:
+        # Some S3 servers (moto) copy a range past the end short, silently,
+        # and ignore CopySourceIfMatch: a conditional copy looks afresh.
+        info = self._sources.get(src_key)
+        if info is None or if_etag is not None:
             info = await self._b._head(src_key)
             if info is None:
                 raise BackendNotFound(f"{what}: no such source object")
-            self._source_sizes[src_key] = info.size
-        if end > self._source_sizes[src_key]:
-            raise BackendError(f"{what}: the source ends at byte {self._source_sizes[src_key]}")
+            self._sources[src_key] = info
+        if if_etag is not None and info.etag != if_etag:
+            raise SourceChanged(f"{what}: the source's etag is {info.etag}, not {if_etag}")
+        if end > info.size:
+            raise BackendError(f"{what}: the source ends at byte {info.size}")
 
     async def _complete_multipart(self, part_count: int) -> None:
         etags = [self._etags[i] for i in range(part_count)]
@@ -473,6 +507,14 @@ class S3Upload(Upload):
 
 
 # --- pure helpers ---------------------------------------------------------------------------
+
+
+def _check_part_number(key: str, index: int, part_bytes: int) -> None:
+    if index >= S3_PARTS_MAX:
+        raise BackendError(
+            f"{key!r}: part {index} is beyond S3's {S3_PARTS_MAX} parts ({S3_PARTS_MAX * part_bytes} bytes at most)",
+            errno_=errno.EFBIG,
+        )
 
 
 def _parse_url(url: str) -> tuple[str, str]:
