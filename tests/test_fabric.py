@@ -19,7 +19,7 @@ import trio.testing
 
 from aiturbofs import chunk
 from aiturbofs._errors import AuthFailed, ConfigError, IntegrityError, InvalidArgument, NotFound, PeerBroken, PeerClosed, RemoteError
-from aiturbofs._limits import CHUNK_BYTES, FABRIC_FRAME_BYTES_MAX, FABRIC_IN_FLIGHT_MAX
+from aiturbofs._limits import CHUNK_BYTES, FABRIC_CONTROL_BYTES_MAX, FABRIC_FRAME_BYTES_MAX, FABRIC_IN_FLIGHT_MAX
 from aiturbofs.fabric import MemoryNetwork, MemoryTransport, TcpTransport, load_secret
 from aiturbofs.fabric._wire import HEADER, MAGIC, VERSION, FrameReader, FrameType, encode_hello, send_frame
 
@@ -164,7 +164,7 @@ class TransportConformance:
                 with pytest.raises(RemoteError, match="no such thing"):
                     await peer.control({"op": "missing"})
                 with pytest.raises(InvalidArgument):
-                    await peer.control({"blob": "x" * (1 << 20)})
+                    await peer.control({"blob": "x" * FABRIC_CONTROL_BYTES_MAX})
                 with pytest.raises(InvalidArgument):
                     await peer.control({"not json": object()})
                 assert peer.state == "open"

@@ -1,42 +1,29 @@
-"""Control plane.  On a single node it is embedded in the daemon.
+"""The control plane: membership, group rounds and their plans (DESIGN.md, "Grouped I/O").
 
-The embedded controller receives every committed file's report (path, chunk
-hashes, group tag) — the data grouped I/O is planned from — and keeps per
-group statistics for ``aiturbo status``.  Grouped rounds, dedup across ranks
-and the staging plan come with cluster mode.
+* ``RoundKeeper`` (``_rounds``): a group's rounds of file reports -> dedup
+  (by full BLAKE3 hash, across files and against durable chunks) -> plan ->
+  each file's share of the plan;
+* ``ControllerServer`` / ``run_controller`` (``_server``): the cluster
+  controller (``aiturbo controller``) on the fabric: join, heartbeat, dead
+  node detection, rounds;
+* ``EmbeddedController`` (``_embedded``): what a single-node daemon embeds.
+
+This package imports fabric, planner, meta, chunk, ``_limits`` and
+``_errors``; never vfs, staging or node: the VFS reaches it through the
+node's messages.
 """
 
-import collections
-from dataclasses import dataclass, field
+import importlib
 
-GROUP_CHUNKS_TRACKED_MAX = 1 << 20  # distinct chunk hashes remembered per group
+from ._embedded import EmbeddedController as EmbeddedController
 
-
-@dataclass
-class GroupStats:
-    files: int = 0
-    bytes: int = 0
-    chunks: int = 0
-    distinct: set = field(default_factory=set)
+# Loaded on first use: the planner brings cvxpy (over a second to import), and
+# a single-node daemon that never plans a round should not wait for it.
+_LAZY = {"RoundKeeper": "._rounds", "parse_report": "._rounds",
+         "ControllerServer": "._server", "run_controller": "._server"}
 
 
-class EmbeddedController:
-    def __init__(self):
-        self.groups: dict[str, GroupStats] = collections.defaultdict(GroupStats)
-
-    async def report_close(self, report) -> None:
-        if report.group is None:
-            return
-        g = self.groups[report.group]
-        g.files += 1
-        g.bytes += report.size
-        for i in range(0, len(report.manifest), 32):
-            g.chunks += 1
-            if len(g.distinct) < GROUP_CHUNKS_TRACKED_MAX:
-                g.distinct.add(report.manifest[i : i + 32])
-
-    def summary(self) -> dict:
-        return {
-            name: {"files": g.files, "bytes": g.bytes, "chunks": g.chunks, "distinct_chunks": len(g.distinct)}
-            for name, g in self.groups.items()
-        }
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,216 @@
+"""The cluster controller: membership and group rounds, served over the fabric.
+
+``ControllerServer`` answers the control messages of authenticated nodes
+(join, heartbeat, report, leave, status), declares nodes dead when their
+heartbeats stop, and runs the ``RoundKeeper``.  Membership is recorded in the
+metadata engine and loaded from it at start, so a restarted controller knows
+the cluster again; everything else is re-reported by the nodes.
+
+It never serves chunks: ``get_chunk`` has none, ``put_chunk`` refuses.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import trio
+
+from .._errors import AiturboError, ConfigError, InvalidArgument, NoSpace, NotPermitted
+from .._limits import (
+    CONTROLLER_REQUESTS_PER_PEER_MAX,
+    NODE_DEAD_AFTER_S,
+    NODE_HEARTBEAT_S,
+    NODES_MAX,
+    ROUND_WAIT_MAX_S,
+    ROUND_WINDOW_S,
+)
+from ..fabric import PeerInfo, TcpTransport, load_secret
+from ..meta import NODE_ALIVE as ALIVE
+from ..meta import NODE_DEAD as DEAD
+from ..meta import NODE_LEFT as LEFT
+from ..meta import open_meta
+from ..planner import NodeSpec, Planner
+from ._rounds import RoundKeeper
+
+log = logging.getLogger(__name__)
+
+CONTROLLER_NODE = "controller"  # the controller's name on the fabric
+_SPEC_FIELDS = ("send_bw", "recv_bw", "snic_bw", "dram_free")
+
+
+@dataclass
+class _Node:
+    name: str
+    fabric: str
+    state: str
+    info: dict  # the bandwidths and free DRAM it reported (_SPEC_FIELDS)
+    seen_s: float  # trio clock of its last join or heartbeat
+
+    def listing(self) -> dict:
+        return {"node": self.name, "fabric": self.fabric, "state": self.state}
+
+
+def _spec(info: dict) -> NodeSpec:
+    """A node's planner figures from a join body or a stored info; ``InvalidArgument`` if malformed."""
+    vals = [info.get(k) for k in _SPEC_FIELDS]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in vals):
+        raise InvalidArgument(f"join: {', '.join(_SPEC_FIELDS)} must be numbers >= 0 (bytes/s, bytes)")
+    return NodeSpec(float(vals[0]), float(vals[1]), float(vals[2]), int(vals[3]))
+
+
+class ControllerServer:
+    """A ``ChunkHandler`` for the controller's fabric endpoint (see module doc).
+
+    ``meta`` needs ``nodes``, ``upsert_node``, ``node_heartbeat``,
+    ``set_node_state`` and ``chunk_sources``.  ``backend_bw`` is in bytes/s.
+    """
+
+    def __init__(self, meta, *, backend_bw: float, planner: Planner | None = None,
+                 heartbeat_s: float = NODE_HEARTBEAT_S, dead_after_s: float = NODE_DEAD_AFTER_S,
+                 window_s: float = ROUND_WINDOW_S, wait_max_s: float = ROUND_WAIT_MAX_S):
+        assert 0 < heartbeat_s < dead_after_s
+        self.meta = meta
+        self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
+        self.nodes: dict[str, _Node] = {}  # every node known, whatever its state
+        self.members: dict[str, NodeSpec] = {}  # alive and joined: what rounds are planned over
+        self.rounds = RoundKeeper(meta, self.members, backend_bw=backend_bw, planner=planner,
+                                  window_s=window_s, wait_max_s=wait_max_s)
+
+    async def run(self, transport, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Load the membership, serve on ``transport``; ``task_status.started(address)``; runs until cancelled."""
+        await self._load()
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(transport.serve, self)
+            nursery.start_soon(self._reap)
+            task_status.started(address)
+
+    # ------------------------------------------------------------------ ChunkHandler
+    async def get_chunk(self, peer: PeerInfo, key: bytes) -> None:
+        return None
+
+    async def put_chunk(self, peer: PeerInfo, key: bytes, data: bytearray) -> bool:
+        return False
+
+    async def control(self, peer: PeerInfo, body: dict) -> dict:
+        op = body.get("op")
+        if op == "status":
+            return self.status()
+        if op not in ("join", "heartbeat", "report", "leave"):
+            raise InvalidArgument(f"unknown controller op {op!r}")
+        if body.get("node") != peer.node:
+            log.warning("%s from %s at %s claims to be node %r: refused", op, peer.node, peer.address, body.get("node"))
+            raise NotPermitted(f"{op}: authenticated as {peer.node!r}, not {body.get('node')!r}")
+        return await getattr(self, f"_{op}")(peer.node, body)
+
+    # ------------------------------------------------------------------ ops
+    async def _join(self, name: str, body: dict) -> dict:
+        spec, fabric = _spec(body), body.get("fabric")
+        if not isinstance(fabric, str) or not fabric:
+            raise InvalidArgument("join: fabric must be the node's host:port")
+        if name not in self.nodes and len(self.nodes) >= NODES_MAX:
+            raise NoSpace(f"join: the controller tracks {NODES_MAX} nodes already")
+        info = {k: body[k] for k in _SPEC_FIELDS}
+        await self.meta.upsert_node(name, fabric, info, time.time_ns())
+        rejoin = name in self.nodes
+        self.nodes[name] = _Node(name, fabric, ALIVE, info, trio.current_time())
+        self.members[name] = spec
+        log.info("node %s %s from %s", name, "rejoined" if rejoin else "joined", fabric)
+        return {"ok": True, "heartbeat_s": self.heartbeat_s, "nodes": [n.listing() for n in self.nodes.values()]}
+
+    async def _heartbeat(self, name: str, body: dict) -> dict:
+        node = self.nodes.get(name)
+        if node is None or name not in self.members:
+            return {"error": "not joined"}
+        node.seen_s = trio.current_time()
+        if body.get("dram_free") is not None:
+            info = {**node.info, "dram_free": body["dram_free"]}
+            self.members[name], node.info = _spec(info), info
+        await self.meta.node_heartbeat(name, time.time_ns(), node.info)
+        return {"nodes": [n.listing() for n in self.nodes.values() if n.state == ALIVE],
+                "dead": [n.name for n in self.nodes.values() if n.state == DEAD]}
+
+    async def _report(self, name: str, body: dict) -> dict:
+        if name not in self.members:
+            return {"error": "not joined"}
+        return await self.rounds.report(name, body)
+
+    async def _leave(self, name: str, body: dict) -> dict:
+        if name in self.nodes and self.nodes[name].state == ALIVE:
+            await self._retire(name, LEFT, "left the cluster")
+        return {"ok": True}
+
+    def status(self) -> dict:
+        now = trio.current_time()
+        nodes = [{**n.listing(), **n.info, "seen_s_ago": round(now - n.seen_s, 3)} for n in self.nodes.values()]
+        return {"nodes": nodes, "groups": self.rounds.stats()}
+
+    # ------------------------------------------------------------------ membership
+    async def _load(self) -> None:
+        """The nodes the metadata engine knows; alive ones get a fresh grace period."""
+        now = trio.current_time()
+        for row in await self.meta.nodes():
+            self.nodes[row.name] = _Node(row.name, row.address, row.state, dict(row.info or {}), now)
+            if row.state == ALIVE:
+                try:
+                    self.members[row.name] = _spec(row.info or {})
+                except InvalidArgument:
+                    pass  # stored without figures: its next heartbeat is told to join again
+        log.info("controller: %d nodes known, %d alive", len(self.nodes), len(self.members))
+
+    async def _reap(self) -> None:
+        while True:
+            await trio.sleep(self.dead_after_s / 4)
+            now = trio.current_time()
+            for node in list(self.nodes.values()):
+                if node.state == ALIVE and now - node.seen_s > self.dead_after_s:
+                    await self._retire(node.name, DEAD, f"no heartbeat for {now - node.seen_s:.1f} s")
+
+    async def _retire(self, name: str, state: str, why: str) -> None:
+        self.nodes[name].state = state
+        self.members.pop(name, None)
+        self.rounds.drop_node(name)
+        log.warning("node %s is %s: %s", name, state, why)
+        try:
+            await self.meta.set_node_state(name, state)
+        except AiturboError as e:  # the in-memory view still holds; a restart re-detects it
+            log.error("node %s: recording state %s failed: %s", name, state, e)
+
+
+async def run_controller(listen: str, meta_url: str, secret_path: str, *, backend_gbps: float,
+                         task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve the controller on ``listen`` (host:port) until cancelled, SIGTERM or SIGINT.
+
+    ``ConfigError`` for a bad address, secret file or metadata URL (before
+    anything is served); ``task_status.started(address)`` once nodes can
+    connect.  Call it from the main thread (it takes over SIGTERM and SIGINT).
+    """
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"controller address {listen!r}: want HOST:PORT ([v6addr]:PORT; port 0: any free port)")
+    host, port = host.removeprefix("[").removesuffix("]"), int(port)
+    secret = load_secret(secret_path)
+    if not (backend_gbps > 0 and math.isfinite(backend_gbps)):
+        raise ConfigError(f"backend bandwidth must be a positive number of Gbit/s, not {backend_gbps}")
+    meta = open_meta(meta_url)
+    try:
+        await meta.init(root_uid=os.getuid(), root_gid=os.getgid(), root_mode=0o40755)
+        server = ControllerServer(meta, backend_bw=backend_gbps * 1e9 / 8)
+        transport = TcpTransport(CONTROLLER_NODE, secret, host=host, port=port,
+                                 in_flight_max=CONTROLLER_REQUESTS_PER_PEER_MAX)
+        async with transport, trio.open_nursery() as nursery:
+            address = await nursery.start(server.run, transport)
+            log.info("controller listening on %s (backend %.1f Gbit/s)", address, backend_gbps)
+            task_status.started(address)
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    log.info("controller: %s, exiting", signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()
+                    break
+    finally:
+        with trio.CancelScope(shield=True):
+            await meta.close()

@@ -1,0 +1,579 @@
+"""The control plane: group rounds (dedup, plan, answers), the controller on the fabric, its CLI.
+
+``FakeMeta`` stands in for the metadata engine: it has only the calls the
+controller makes (membership and ``chunk_sources``), so these tests run
+without a database and fast.
+"""
+
+import collections
+import logging
+import os
+import signal
+import subprocess
+import sys
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import trio
+import trio.testing
+
+from aiturbofs import chunk
+from aiturbofs._errors import AuthFailed, RemoteError
+from aiturbofs._limits import CHUNK_BYTES
+from aiturbofs.controller import ControllerServer, EmbeddedController, RoundKeeper
+from aiturbofs.fabric import MemoryNetwork, MemoryTransport, TcpTransport
+from aiturbofs.planner import NodeSpec
+
+SECRET = b"correct horse battery staple 42!"
+WRONG = b"incorrect horse battery staple 0"
+GB = 1e9
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEST_TIMEOUT_S = 20
+
+
+def run(fn, *args):
+    async def guarded():
+        with trio.fail_after(TEST_TIMEOUT_S):
+            return await fn(*args)
+
+    return trio.run(guarded)
+
+
+@dataclass
+class Row:
+    name: str
+    address: str
+    state: str
+    heartbeat_ns: int
+    info: dict
+
+
+@dataclass
+class Source:
+    backend_key: str
+    offset: int
+    length: int
+    etag: str | None
+
+
+class FakeMeta:
+    """The metadata calls the controller makes, in memory."""
+
+    def __init__(self, sources=None, rows=()):
+        self.sources = dict(sources or {})
+        self.rows = {r.name: r for r in rows}
+        self.heartbeats = collections.Counter()
+
+    async def chunk_sources(self, keys):
+        return {k: self.sources[k] for k in keys if k in self.sources}
+
+    async def nodes(self):
+        return [self.rows[n] for n in sorted(self.rows)]
+
+    async def upsert_node(self, name, address, info, now_ns):
+        self.rows[name] = Row(name, address, "alive", now_ns, dict(info))
+
+    async def node_heartbeat(self, name, now_ns, info=None):
+        self.heartbeats[name] += 1
+        return name in self.rows
+
+    async def set_node_state(self, name, state):
+        self.rows[name].state = state
+        return True
+
+
+def key(label) -> bytes:
+    return chunk.digest(f"chunk {label}".encode())
+
+
+def body(node, labels, *, group="job", group_size=None, replicas=2, ino=None, length=CHUNK_BYTES):
+    """A report of a file whose chunks are ``key(label)`` (None: a hole)."""
+    keys = [chunk.HOLE if lab is None else key(lab) for lab in labels]
+    return {"op": "report", "node": node, "group": group, "group_size": group_size, "replicas": replicas,
+            "file": {"ino": ino or abs(hash((node, tuple(labels)))) % 10**9 + 1, "path": f"{node}.bin",
+                     "size": length * len(keys), "chunks": [k.hex() for k in keys], "lengths": [length] * len(keys)}}
+
+
+def members(n, *, send=25 * GB, snic=12.5 * GB, dram=1 << 40):
+    return {f"n{i}": NodeSpec(send, send, snic, dram) for i in range(1, n + 1)}
+
+
+async def report_all(keeper, bodies) -> list[dict]:
+    """Report ``bodies`` in this order (each queued before the next is sent); their answers."""
+    answers = [None] * len(bodies)
+
+    async def one(i, b):
+        answers[i] = await keeper.report(b["node"], b)
+
+    async with trio.open_nursery() as nursery:
+        for i, b in enumerate(bodies):
+            nursery.start_soon(one, i, b)
+            await trio.testing.wait_all_tasks_blocked()
+    return answers
+
+
+def holders_after_staging(bodies, answers) -> dict[bytes, set[str]]:
+    """Chunk -> its writers plus every node the answers stage it to."""
+    out = collections.defaultdict(set)
+    for b, a in zip(bodies, answers):
+        keys = [bytes.fromhex(h) for h in b["file"]["chunks"]]
+        for k in keys:
+            if k != chunk.HOLE:
+                out[k].add(b["node"])
+        for idx, dst in a["stage"]:
+            out[keys[idx]].add(dst)
+    return out
+
+
+# --- RoundKeeper ---------------------------------------------------------------------------------
+
+
+def test_identical_files_upload_each_chunk_once():
+    async def main():
+        keeper = RoundKeeper(FakeMeta(), members(3), backend_bw=100 * GB, window_s=5, wait_max_s=10)
+        bodies = [body(f"n{i}", range(8), group_size=3) for i in (1, 2, 3)]
+        answers = await report_all(keeper, bodies)
+        assert len({a["round"] for a in answers}) == 1 and answers[0]["round"] == "job#1"
+        for idx in range(8):
+            uploaders = [a for a in answers if str(idx) in a["persist"]]
+            assert len(uploaders) == 1
+            assert all(idx in a["wait"] for a in answers if a is not uploaders[0])
+        assert answers[0]["persist"] and not answers[1]["persist"] and not answers[2]["persist"]  # the first reporter
+        a = answers[0]
+        assert (a["files"], a["unique_bytes"], a["total_bytes"], a["durable_bytes"]) == (3, 8 * CHUNK_BYTES, 24 * CHUNK_BYTES, 0)
+        assert all(a["stage"] == [] and a["copy"] == {} for a in answers)  # 3 writers already exceed 2 replicas
+        assert sorted(a["holders"]) == ["n1", "n2", "n3"] and a["holders"][0] == "n1"
+        assert keeper.stats()["job"]["rounds"] == 1 and keeper.stats()["job"]["unique_bytes"] == 8 * CHUNK_BYTES
+
+    run(main)
+
+
+def test_partly_identical_files_and_holes():
+    async def main():
+        keeper = RoundKeeper(FakeMeta(), members(2), backend_bw=100 * GB, window_s=5, wait_max_s=10)
+        bodies = [body("n1", ["a", "b", None, "c"], group_size=2), body("n2", ["a", "b", "d", None, "e"], group_size=2)]
+        a1, a2 = await report_all(keeper, bodies)
+        assert set(a1["persist"]) == {"0", "1", "3"} and a1["wait"] == []
+        assert set(a2["persist"]) == {"2", "4"} and a2["wait"] == [0, 1]  # a, b: n1's file uploads them
+        assert a1["unique_bytes"] == 5 * CHUNK_BYTES and a1["total_bytes"] == 7 * CHUNK_BYTES
+        # Every chunk is written by one node only: replicas=2 needs one copy each.
+        for k, nodes in holders_after_staging(bodies, (a1, a2)).items():
+            assert len(nodes) >= 2, k.hex()
+        for a, b in ((a1, bodies[0]), (a2, bodies[1])):
+            for idx, dst in a["stage"]:
+                assert dst != b["node"] and b["file"]["chunks"][idx] != chunk.HOLE.hex()
+            assert set(a["persist"].values()) <= set(a["holders"])
+
+    run(main)
+
+
+def test_durable_chunks_are_copied_not_planned():
+    async def main():
+        src = Source("ckpt/step1/a.bin", 3 * CHUNK_BYTES, CHUNK_BYTES, '"etag1"')
+        keeper = RoundKeeper(FakeMeta({key("a"): src}), members(2), backend_bw=100 * GB, window_s=5, wait_max_s=10)
+        bodies = [body("n1", ["a", "b"], group_size=2), body("n2", ["b", "a"], group_size=2)]
+        a1, a2 = await report_all(keeper, bodies)
+        want = {"backend_key": "ckpt/step1/a.bin", "offset": 3 * CHUNK_BYTES, "length": CHUNK_BYTES, "etag": '"etag1"'}
+        assert a1["copy"] == {"0": want} and a2["copy"] == {"1": want}
+        assert a1["persist"] == {"1": a1["persist"]["1"]} and a2["wait"] == [0] and a2["persist"] == {}
+        assert a1["durable_bytes"] == CHUNK_BYTES and a1["unique_bytes"] == 2 * CHUNK_BYTES
+        staged = {bodies[i]["file"]["chunks"][idx] for i, a in enumerate((a1, a2)) for idx, _ in a["stage"]}
+        assert key("a").hex() not in staged  # durable: no replicas needed
+
+    run(main)
+
+
+def test_everything_durable_needs_no_plan():
+    async def main():
+        src = Source("old.bin", 0, CHUNK_BYTES, None)
+        keeper = RoundKeeper(FakeMeta({key("a"): src}), {}, backend_bw=GB, window_s=0.05, wait_max_s=1)
+        (a,) = await report_all(keeper, [body("n1", ["a"])])
+        assert "error" in a  # n1 is not a member: its writer is not alive
+        keeper.members["n1"] = NodeSpec(GB, GB, GB, 0)
+        (a,) = await report_all(keeper, [body("n1", ["a", None])])
+        assert a["copy"] == {"0": {"backend_key": "old.bin", "offset": 0, "length": CHUNK_BYTES, "etag": None}}
+        assert a["persist"] == {} and a["stage"] == [] and a["makespan_s"] == 0.0
+
+    run(main)
+
+
+def test_group_size_closes_a_round_at_once():
+    async def main():
+        keeper = RoundKeeper(FakeMeta(), members(2), backend_bw=100 * GB, window_s=5, wait_max_s=10)
+        start = trio.current_time()
+        answers = await report_all(keeper, [body("n1", ["a"], group_size=2), body("n2", ["b"], group_size=2)])
+        assert trio.current_time() - start < 2 and [a["files"] for a in answers] == [2, 2]
+
+    run(main)
+
+
+def test_window_closes_a_round_without_group_size():
+    async def main():
+        keeper = RoundKeeper(FakeMeta(), members(2), backend_bw=100 * GB, window_s=0.1, wait_max_s=10)
+        start = trio.current_time()
+        answers = await report_all(keeper, [body("n1", ["a"]), body("n2", ["b"])])
+        assert 0.1 <= trio.current_time() - start < 2
+        assert [a["round"] for a in answers] == ["job#1", "job#1"] and answers[0]["files"] == 2
+        (late,) = await report_all(keeper, [body("n1", ["c"])])  # after the close: the next round
+        assert late["round"] == "job#2" and late["files"] == 1
+
+    run(main)
+
+
+def test_a_round_short_of_its_size_closes_at_the_wait_max(caplog):
+    async def main():
+        keeper = RoundKeeper(FakeMeta(), members(3), backend_bw=100 * GB, window_s=0.05, wait_max_s=0.3)
+        start = trio.current_time()
+        answers = await report_all(keeper, [body("n1", ["a"], group_size=3), body("n2", ["b"], group_size=3)])
+        assert trio.current_time() - start >= 0.3 and [a["files"] for a in answers] == [2, 2]
+        assert keeper.stats()["job"]["short_rounds"] == 1
+
+    with caplog.at_level(logging.WARNING, logger="aiturbofs.controller"):
+        run(main)
+    assert "job#1 closed short: 2 of 3 files" in caplog.text
+
+
+def test_replicas_are_satisfied_for_every_chunk():
+    async def main():
+        keeper = RoundKeeper(FakeMeta(), members(4), backend_bw=100 * GB, window_s=5, wait_max_s=10)
+        # Two DP pairs: n1/n2 write the same file, n3/n4 another; every node also writes its own.
+        bodies = [body("n1", ["p0", "p1", "p2"], group_size=8, replicas=3, ino=1),
+                  body("n2", ["p0", "p1", "p2"], group_size=8, replicas=3, ino=2),
+                  body("n3", ["q0", "q1"], group_size=8, replicas=3, ino=3),
+                  body("n4", ["q0", "q1"], group_size=8, replicas=3, ino=4)]
+        bodies += [body(f"n{i}", [f"own{i}.{j}" for j in range(3)], group_size=8, replicas=3, ino=10 + i)
+                   for i in range(1, 5)]
+        answers = await report_all(keeper, bodies)
+        assert {a["round"] for a in answers} == {"job#1"} and answers[0]["replicas"] == 3
+        holders = holders_after_staging(bodies, answers)
+        assert len(holders) == 17 and all(len(nodes) >= 3 for nodes in holders.values())
+        puts = [(bodies[i]["file"]["chunks"][idx], dst) for i, a in enumerate(answers) for idx, dst in a["stage"]]
+        assert len(puts) == len(set(puts))  # each transfer is given to exactly one file
+        for b, a in zip(bodies, answers):
+            mine = {bytes.fromhex(h) for h in b["file"]["chunks"]}
+            assert set(a["holders"]) == set().union(*(holders[k] for k in mine)) and a["holders"][0] == b["node"]
+            for idx, node in a["persist"].items():
+                assert node in holders[bytes.fromhex(b["file"]["chunks"][int(idx)])]
+
+    run(main)
+
+
+def test_a_single_writer_spreads_the_upload_over_the_cluster():
+    """Rank 0 writes a 16-chunk file: its slow S-NIC alone would take 16x; the plan fans it out."""
+    async def main():
+        keeper = RoundKeeper(FakeMeta(), members(3, send=25 * GB, snic=1.25 * GB), backend_bw=100 * GB,
+                             window_s=0.05, wait_max_s=10)
+        b = body("n1", range(16), replicas=1)
+        (a,) = await report_all(keeper, [b])
+        persisters = collections.Counter(a["persist"].values())
+        assert len(a["persist"]) == 16 and len(persisters) > 1, persisters
+        staged = {(idx, dst) for idx, dst in a["stage"]}
+        for idx, node in a["persist"].items():
+            assert node == "n1" or (int(idx), node) in staged  # a persister holds the chunk
+        assert a["makespan_s"] < 16 * CHUNK_BYTES / (1.25 * GB) * 0.6
+        assert a["lp_bound_s"] <= a["makespan_s"] * (1 + 1e-9)
+
+    run(main)
+
+
+def test_infeasible_round_answers_every_report_with_an_error(caplog):
+    async def main():
+        keeper = RoundKeeper(FakeMeta(), members(2, dram=0), backend_bw=100 * GB, window_s=5, wait_max_s=10)
+        answers = await report_all(keeper, [body("n1", ["a"], group_size=2), body("n2", ["b"], group_size=2)])
+        assert all("error" in a and "replicas" in a["error"] for a in answers)
+        assert keeper.stats()["job"]["errors"] == 1
+
+    with caplog.at_level(logging.WARNING, logger="aiturbofs.controller"):
+        run(main)
+    assert "job#1 (2 files) not planned" in caplog.text
+
+
+def test_a_dead_nodes_report_leaves_the_open_round():
+    async def main():
+        live = members(3)
+        keeper = RoundKeeper(FakeMeta(), live, backend_bw=100 * GB, window_s=5, wait_max_s=10)
+        answers = {}
+
+        async def one(b):
+            answers[b["node"]] = await keeper.report(b["node"], b)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, body("n2", ["a", "b"], group_size=2))
+            await trio.testing.wait_all_tasks_blocked()
+            del live["n2"]
+            keeper.drop_node("n2")
+            nursery.start_soon(one, body("n1", ["a"], group_size=2))
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(one, body("n3", ["c"], group_size=2))
+        assert "error" in answers["n2"]
+        assert answers["n1"]["files"] == 2 and answers["n1"]["persist"] == {"0": answers["n1"]["persist"]["0"]}
+        assert answers["n1"]["round"] == answers["n3"]["round"] == "job#2"
+
+    run(main)
+
+
+def test_bad_reports_are_refused():
+    async def main():
+        keeper = RoundKeeper(None, members(1), backend_bw=GB)
+        good = body("n1", ["a"])
+        for mutate in (lambda b: b.update(group=""), lambda b: b.update(replicas=0),
+                       lambda b: b["file"].update(chunks=["xyz"]), lambda b: b["file"].update(lengths=[0]),
+                       lambda b: b["file"].update(lengths=[]), lambda b: b.update(group_size=True)):
+            bad = {**good, "file": dict(good["file"])}
+            mutate(bad)
+            with pytest.raises(Exception, match="report:"):
+                await keeper.report("n1", bad)
+
+    run(main)
+
+
+def test_embedded_controller_plans_rounds_of_one_node():
+    async def main():
+        ctl = EmbeddedController()
+        assert ctl.summary() == {}
+        b1, b2 = body("local", ["a", "b"], replicas=2, ino=1), body("local", ["b", "c"], replicas=2, ino=2)
+        answers = [None, None]
+
+        async def one(i, b):
+            answers[i] = await ctl.report(b)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, 0, b1)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(one, 1, b2)
+        a1, a2 = answers
+        assert a1["replicas"] == 1 and a1["holders"] == ["local"] and a1["stage"] == []
+        assert a1["persist"] == {"0": "local", "1": "local"} and a2["wait"] == [0] and a2["persist"] == {"1": "local"}
+
+    run(main)
+
+
+# --- ControllerServer over the fabric ------------------------------------------------------------
+
+
+def join_body(node, dram_free=1 << 40):
+    return {"op": "join", "node": node, "fabric": f"{node}:7387", "send_bw": 25 * GB, "recv_bw": 25 * GB,
+            "snic_bw": 12.5 * GB, "dram_free": dram_free}
+
+
+@asynccontextmanager
+async def cluster(meta=None, **options):
+    """A controller on a memory network; ``c.connect(node)`` opens a node's connection to it.
+
+    Call ``connect`` only at the top level of the ``async with`` body: its
+    transport lives until the cluster is left.
+    """
+    network, meta = MemoryNetwork(), meta or FakeMeta()
+    server = ControllerServer(meta, backend_bw=100 * GB, **options)
+    async with MemoryTransport(network, "controller", SECRET) as transport, trio.open_nursery() as nursery:
+        address = await nursery.start(server.run, transport)
+        # The nodes' transports close before the controller is cancelled: closing
+        # a transport with open peers inside a cancelled scope is not clean.
+        async with AsyncExitStack() as clients:
+
+            async def connect(node, secret=SECRET):
+                client = await clients.enter_async_context(MemoryTransport(network, node, secret))
+                return await client.connect(address)
+
+            yield SimpleNamespace(server=server, meta=meta, connect=connect)
+        nursery.cancel_scope.cancel()
+
+
+def test_join_heartbeat_and_dead_detection(caplog):
+    async def main():
+        async with cluster(heartbeat_s=0.05, dead_after_s=0.3) as c:
+            n1, n2 = await c.connect("n1"), await c.connect("n2")
+            reply = await n1.control(join_body("n1"))
+            assert reply["ok"] and reply["heartbeat_s"] == 0.05
+            assert reply["nodes"] == [{"node": "n1", "fabric": "n1:7387", "state": "alive"}]
+            assert await n2.control({"op": "heartbeat", "node": "n2", "dram_free": 5}) == {"error": "not joined"}
+            await n2.control(join_body("n2"))
+            assert c.meta.rows["n2"].info["snic_bw"] == 12.5 * GB
+            reply = await n1.control({"op": "heartbeat", "node": "n1", "dram_free": 123})
+            assert [n["node"] for n in reply["nodes"]] == ["n1", "n2"] and reply["dead"] == []
+            assert c.server.members["n1"].dram_free_bytes == 123
+            # n1 keeps heartbeating, n2 falls silent.
+            for _ in range(12):
+                await trio.sleep(0.05)
+                reply = await n1.control({"op": "heartbeat", "node": "n1", "dram_free": 123})
+            assert reply["dead"] == ["n2"] and [n["node"] for n in reply["nodes"]] == ["n1"]
+            assert c.meta.rows["n2"].state == "dead" and c.meta.rows["n1"].state == "alive"
+            assert "n2" not in c.server.members
+            assert await n2.control({"op": "heartbeat", "node": "n2"}) == {"error": "not joined"}
+            assert (await n2.control(join_body("n2")))["ok"] and c.meta.rows["n2"].state == "alive"
+            await n2.control({"op": "leave", "node": "n2"})
+            assert c.meta.rows["n2"].state == "left" and "n2" not in c.server.members
+            status = await n1.control({"op": "status"})
+            assert {n["node"]: n["state"] for n in status["nodes"]} == {"n1": "alive", "n2": "left"}
+            assert await n1.get_chunk(key("a")) is None and await n1.put_chunk(key("a"), b"chunk a") is False
+
+    with caplog.at_level(logging.WARNING, logger="aiturbofs.controller"):
+        run(main)
+    assert "node n2 is dead: no heartbeat for" in caplog.text
+
+
+def test_reports_over_the_fabric():
+    async def main():
+        async with cluster(window_s=5, wait_max_s=10) as c:
+            peers = {n: await c.connect(n) for n in ("n1", "n2")}
+            assert await peers["n1"].control(body("n1", ["a"])) == {"error": "not joined"}
+            for n, peer in peers.items():
+                await peer.control(join_body(n))
+            answers = {}
+
+            async def one(n):
+                answers[n] = await peers[n].control(body(n, range(4), group_size=2))
+
+            async with trio.open_nursery() as reports:
+                for n in peers:
+                    reports.start_soon(one, n)
+            assert answers["n1"]["round"] == answers["n2"]["round"] == "job#1"
+            assert len(answers["n1"]["persist"]) + len(answers["n2"]["persist"]) == 4
+            status = await peers["n1"].control({"op": "status"})
+            assert status["groups"]["job"]["files"] == 2
+
+    run(main)
+
+
+def test_a_node_dying_drops_its_report_from_the_open_round():
+    async def beat(peer, node):
+        while True:
+            await peer.control({"op": "heartbeat", "node": node})
+            await trio.sleep(0.05)
+
+    async def main():
+        async with cluster(heartbeat_s=0.05, dead_after_s=0.2, window_s=5, wait_max_s=10) as c:
+            peers = {n: await c.connect(n) for n in ("n1", "n2", "n3")}
+            for n, peer in peers.items():
+                await peer.control(join_body(n))
+            got = {}
+
+            async def report(n, labels):
+                got[n] = await peers[n].control(body(n, labels, group_size=2))
+
+            async with trio.open_nursery() as background:
+                background.start_soon(beat, peers["n1"], "n1")
+                background.start_soon(beat, peers["n3"], "n3")
+                async with trio.open_nursery() as reports:
+                    reports.start_soon(report, "n2", ["a"])  # n2 never heartbeats: dead, its report dropped
+                    with trio.fail_after(2):
+                        while "n2" not in got:
+                            await trio.sleep(0.02)
+                    assert "error" in got["n2"] and "n2" not in c.server.members
+                    reports.start_soon(report, "n1", ["a"])
+                    await trio.sleep(0.05)
+                    reports.start_soon(report, "n3", ["b"])
+                background.cancel_scope.cancel()
+            assert got["n1"]["files"] == 2 and got["n1"]["round"] == got["n3"]["round"] == "job#2"
+            assert c.meta.rows["n2"].state == "dead"
+
+    run(main)
+
+
+def test_restart_loads_members_from_the_metadata():
+    async def main():
+        info = {"send_bw": 25 * GB, "recv_bw": 25 * GB, "snic_bw": 12.5 * GB, "dram_free": 1 << 30}
+        meta = FakeMeta(rows=[Row("n1", "n1:7387", "alive", 0, info), Row("n2", "n2:7387", "alive", 0, info),
+                              Row("n3", "n3:7387", "dead", 0, info)])
+        async with cluster(meta, heartbeat_s=0.05, dead_after_s=0.3) as c:
+            assert set(c.server.members) == {"n1", "n2"}
+            n1 = await c.connect("n1")
+            assert "error" not in await n1.control({"op": "heartbeat", "node": "n1", "dram_free": 1})
+            for _ in range(10):  # n2 does not come back
+                await trio.sleep(0.05)
+                await n1.control({"op": "heartbeat", "node": "n1", "dram_free": 1})
+            assert meta.rows["n2"].state == "dead" and set(c.server.members) == {"n1"}
+
+    run(main)
+
+
+def test_a_node_cannot_speak_for_another(caplog):
+    async def main():
+        async with cluster() as c:
+            n1 = await c.connect("n1")
+            for op in (join_body("n2"), {"op": "heartbeat", "node": "n2"}, body("n2", ["a"]), {"op": "leave"}):
+                with pytest.raises(RemoteError, match="authenticated as 'n1'"):
+                    await n1.control(op)
+            with pytest.raises(RemoteError, match="unknown controller op"):
+                await n1.control({"op": "frobnicate"})
+            assert c.meta.rows == {}
+
+    with caplog.at_level(logging.WARNING, logger="aiturbofs.controller"):
+        run(main)
+    assert "join from n1 at" in caplog.text and "claims to be node 'n2'" in caplog.text
+
+
+def test_wrong_secret_is_rejected():
+    async def main():
+        async with cluster() as c:
+            with pytest.raises(AuthFailed):
+                await c.connect("n1", WRONG)
+            assert c.meta.rows == {}
+
+    run(main)
+
+
+# --- the CLI ------------------------------------------------------------------------------------
+
+
+def aiturbo_controller(*args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "aiturbofs.cli.main", "controller", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=REPO), **kw)
+
+
+def test_cli_help():
+    out = subprocess.run([sys.executable, "-m", "aiturbofs.cli.main", "controller", "--help"], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=REPO), check=True).stdout
+    for word in ("--listen", "--meta", "--secret-file", "--backend-gbps", "--log-level", "SIGTERM"):
+        assert word in out
+
+
+def test_cli_refuses_a_readable_secret(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET)
+    secret.chmod(0o644)
+    proc = aiturbo_controller("--listen", "127.0.0.1:0", "--meta", f"sqlite:///{tmp_path}/meta.db",
+                              "--secret-file", str(secret))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "group or others" in err and "chmod 600" in err, err
+    assert "listening" not in out
+
+
+def _meta_has_membership() -> bool:
+    import inspect
+
+    from aiturbofs.meta._sqlite import SqliteMetaStore
+
+    return not inspect.isabstract(SqliteMetaStore)
+
+
+@pytest.mark.skipif(not _meta_has_membership(), reason="the SQLite engine has no membership calls yet")
+def test_cli_serves_nodes_and_stops_on_sigterm(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET + b"\n")
+    secret.chmod(0o600)
+    proc = aiturbo_controller("--listen", "127.0.0.1:0", "--meta", f"sqlite:///{tmp_path}/meta.db",
+                              "--secret-file", str(secret), "--backend-gbps", "10")
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("controller listening on 127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
+        address = line.split()[-1]
+
+        async def main():
+            async with TcpTransport("n1", SECRET, host="127.0.0.1", port=0) as transport:
+                peer = await transport.connect(address)
+                assert (await peer.control(join_body("n1")))["ok"]
+                assert [n["node"] for n in (await peer.control({"op": "heartbeat", "node": "n1"}))["nodes"]] == ["n1"]
+
+        run(main)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert "node n1 joined" in err and "SIGTERM" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
