@@ -4,18 +4,20 @@
 durable in the backend (future 1), showing bytes, rate and ETA; it exits 1
 naming any broken file, 2 on usage errors (a path not on aiturbofs).
 ``aiturbo status [MOUNTPOINT]`` asks running daemons through their control
-sockets.
+sockets.  ``aiturbo controller`` runs the cluster's job controller.
 """
 
 import argparse
 import errno
+import functools
 import glob
 import json
+import logging
 import os
 import sys
 import time
 
-from .._limits import WAIT_POLL_S
+from .._limits import CONTROLLER_BACKEND_GBPS_DEFAULT, WAIT_POLL_S
 
 STATE_XATTR = "user.aiturbo.state"
 
@@ -105,7 +107,18 @@ def _print_status(s: dict) -> None:
           f"open {_human(pool['open_bytes'])}, spilled {_human(pool['spilled_bytes'])}"
           + (f", {pool['waiting_writers']} writer(s) waiting" if pool["waiting_writers"] else ""))
     print(f"  persist  queue {p['queue']}, durable {p['files_durable']}, broken {p['files_broken']}, "
-          f"uploaded {_human(p['bytes_uploaded'])}, retries {p['retries']}")
+          f"uploaded {_human(p['bytes_uploaded'])}, retries {p['retries']}"
+          + (f", copied server-side {_human(p['bytes_copied'])}" if p.get("bytes_copied") else ""))
+    c = s.get("cluster")
+    if c:
+        ctl = c["controller"] or "none"
+        if c["controller"]:
+            ctl += " (connected)" if c["controller_connected"] else " (UNREACHABLE)"
+        print(f"  cluster  node {c['node']} at {c['fabric']} ({c['transport']}), replicas {c['replicas']}, "
+              f"controller {ctl}")
+        print(f"           members {', '.join(c['members'])}" + (f"; dead {', '.join(c['dead'])}" if c["dead"] else ""))
+        print(f"           rounds {c['rounds']} ({c['rounds_failed']} without a plan), replicated {_human(c['bytes_replicated'])}, "
+              f"holding replicas of {c['replica_files_held']} file(s)")
     for path in p["queued"]:
         print(f"           - {path}")
     for name, g in s.get("groups", {}).items():
@@ -156,6 +169,29 @@ def cmd_simple(args, request: dict) -> int:
     return 0 if answer.get("ok") else 1
 
 
+def cmd_controller(args) -> int:
+    import trio
+
+    from .._errors import AiturboError
+    from ..controller import run_controller
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def serve():
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(functools.partial(
+                run_controller, args.listen, args.meta, args.secret_file, backend_gbps=args.backend_gbps))
+            print(f"controller listening on {address}", flush=True)
+
+    try:
+        trio.run(serve)
+    except AiturboError as exc:
+        print(f"aiturbo controller: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="aiturbo", description="Operate aiturbofs mounts.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -171,11 +207,29 @@ def main(argv: list[str] | None = None) -> int:
     df = sub.add_parser("debug-fault", help="(tests) make a handler raise once; needs -o debug_faults")
     df.add_argument("mountpoint")
     df.add_argument("handler")
+    ct = sub.add_parser(
+        "controller", help="run the job controller of a cluster (membership, group rounds, write plans)",
+        description="Run the cluster's job controller: nodes (mount.aiturbo in cluster mode) join it over the "
+                    "fabric, heartbeat, and report the files of their group rounds; it deduplicates each round "
+                    "and answers with the staging and persist plan.  Membership is kept in the metadata engine, "
+                    "so a restarted controller picks up the cluster again.  Stops cleanly on SIGTERM or SIGINT.")
+    ct.add_argument("--listen", required=True, metavar="HOST:PORT",
+                    help="fabric address to serve nodes on ([v6addr]:port for IPv6; port 0 picks a free one)")
+    ct.add_argument("--meta", required=True, metavar="URL",
+                    help="metadata engine shared with the nodes, e.g. postgresql://host/db or sqlite:///abs/path.db")
+    ct.add_argument("--secret-file", required=True, metavar="FILE",
+                    help="the cluster secret the nodes also use (mode 0600, owned by this user, >= 16 bytes)")
+    ct.add_argument("--backend-gbps", type=float, default=CONTROLLER_BACKEND_GBPS_DEFAULT, metavar="G",
+                    help="aggregate backend bandwidth in Gbit/s the planner assumes (default %(default)s)")
+    ct.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                    help="log verbosity on stderr (default %(default)s)")
     args = p.parse_args(argv)
     if args.cmd == "wait":
         return cmd_wait(args)
     if args.cmd == "status":
         return cmd_status(args)
+    if args.cmd == "controller":
+        return cmd_controller(args)
     if args.cmd == "drop-cache":
         return cmd_simple(args, {"cmd": "drop-cache"})
     return cmd_simple(args, {"cmd": "debug-fault", "handler": args.handler})
