@@ -544,7 +544,7 @@ def test_parts_failing_together_are_one_transient_error():
     async def open_upload(key):
         return upload
 
-    fs = SimpleNamespace(meta=None, pool=None, backend=SimpleNamespace(open_upload=open_upload))
+    fs = SimpleNamespace(meta=None, pool=None, cluster=None, backend=SimpleNamespace(open_upload=open_upload))
     row = SimpleNamespace(ino=7, size=parts * CHUNK, manifest=chunk.pack_manifest([chunk.HOLE] * parts), backend_keys=[])
 
     async def main():

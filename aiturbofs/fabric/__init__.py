@@ -16,3 +16,5 @@ from ._base import Transport as Transport
 from ._memory import MemoryNetwork as MemoryNetwork
 from ._memory import MemoryTransport as MemoryTransport
 from ._tcp import TcpTransport as TcpTransport
+from ._tcp import format_address as format_address
+from ._tcp import parse_address as parse_address

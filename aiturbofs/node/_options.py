@@ -8,10 +8,14 @@ error that names the option, so a typo never silently changes behaviour.
 
 import os
 import re
+import socket
 from dataclasses import dataclass, field
 
 from .._errors import ConfigError
 from .._limits import (
+    CLUSTER_FABRIC_GBPS_DEFAULT,
+    CLUSTER_REPLICAS_DEFAULT,
+    CLUSTER_SNIC_GBPS_DEFAULT,
     DRAIN_TIMEOUT_S_DEFAULT,
     GiB,
     IMPORT_TTL_S,
@@ -47,6 +51,15 @@ OPTIONS = {
     "debug": ("flag", "verbose logging"),
     "log": ("path", "log file when daemonized (default <state_dir>/aiturbo.log)"),
     "debug_faults": ("flag", "allow `aiturbo debug-fault` to inject handler errors (tests only)"),
+    # --- cluster mode (all nodes: the same meta=, secret_file contents and backend)
+    "fabric": ("addr", "cluster mode: serve the peer fabric at HOST:PORT (port 0 picks one); needs secret_file"),
+    "controller": ("addr", "cluster mode: the job controller (`aiturbo controller`) at HOST:PORT; without it grouped files are placed without a round plan"),
+    "meta": ("str", "shared metadata URL: postgresql://user@host:port/db, or sqlite:///path for daemons on one host (default: SQLite in state_dir)"),
+    "secret_file": ("path", "cluster secret (at least 16 bytes; must not be readable by group or others)"),
+    "node": ("str", "this node's name in the cluster (default: the host name)"),
+    "replicas": ("int", f"close() returns once every chunk is in this many nodes' DRAM (default {CLUSTER_REPLICAS_DEFAULT} in a cluster, 1 alone)"),
+    "fabric_gbps": ("rate", f"this node's compute-fabric rate each way, for the round planner (default {CLUSTER_FABRIC_GBPS_DEFAULT:g})"),
+    "snic_gbps": ("rate", f"this node's storage-NIC rate, for the round planner (default {CLUSTER_SNIC_GBPS_DEFAULT:g})"),
 }
 
 _SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?")
@@ -79,6 +92,18 @@ class NodeConfig:
     debug: bool = False
     log: str | None = None
     debug_faults: bool = False
+    fabric: str | None = None
+    controller: str | None = None
+    meta: str | None = None
+    secret_file: str | None = None
+    node: str = ""
+    replicas: int = 1
+    fabric_gbps: float = CLUSTER_FABRIC_GBPS_DEFAULT
+    snic_gbps: float = CLUSTER_SNIC_GBPS_DEFAULT
+
+    @property
+    def cluster(self) -> bool:
+        return self.fabric is not None
 
 
 def default_dram_bytes() -> int:
@@ -103,6 +128,23 @@ def _convert(name: str, kind: str, value: str | None):
         if not (v >= 0 and v < 1e9):
             raise ConfigError(f"option {name} must be between 0 and 1e9, got {value!r}")
         return v
+    if kind == "int":
+        if not value.isdigit() or not 1 <= int(value) <= 16:
+            raise ConfigError(f"option {name} needs a whole number from 1 to 16, got {value!r}")
+        return int(value)
+    if kind == "rate":
+        try:
+            v = float(value)
+        except ValueError:
+            v = -1.0
+        if not 0 < v < 1e6:
+            raise ConfigError(f"option {name} needs a rate in Gbit/s above 0, got {value!r}")
+        return v
+    if kind == "addr":
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"option {name} needs HOST:PORT, got {value!r}")
+        return value
     if kind.startswith("choice:"):
         choices = kind[7:].split("|")
         if value not in choices:
@@ -148,6 +190,22 @@ def build_config(backend: str, mountpoint: str, options: dict, *, foreground: bo
     cfg.debug = options.get("debug", False)
     cfg.log = options.get("log")
     cfg.debug_faults = options.get("debug_faults", False)
+    cfg.fabric = options.get("fabric")
+    cfg.controller = options.get("controller")
+    cfg.meta = options.get("meta")
+    cfg.secret_file = options.get("secret_file")
+    cfg.node = options.get("node") or socket.gethostname()
+    cfg.replicas = options.get("replicas", CLUSTER_REPLICAS_DEFAULT if cfg.cluster else 1)
+    cfg.fabric_gbps = options.get("fabric_gbps", CLUSTER_FABRIC_GBPS_DEFAULT)
+    cfg.snic_gbps = options.get("snic_gbps", CLUSTER_SNIC_GBPS_DEFAULT)
+    if cfg.cluster and not cfg.secret_file:
+        raise ConfigError("fabric= needs secret_file=: peers authenticate with the cluster secret")
+    if not cfg.cluster:
+        for name in ("controller", "secret_file", "node"):
+            if options.get(name):
+                raise ConfigError(f"option {name} is for cluster mode: give fabric=HOST:PORT too")
+        if cfg.replicas > 1:
+            raise ConfigError(f"replicas={cfg.replicas} needs cluster mode (fabric=HOST:PORT): a single node has one pool")
     return cfg
 
 

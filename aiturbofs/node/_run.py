@@ -22,10 +22,12 @@ from .. import meta as meta_mod
 from .._errors import AiturboError, ConfigError
 from .._limits import MALLOC_MMAP_THRESHOLD_BYTES, MALLOC_TRIM_THRESHOLD_BYTES, READ_AHEAD_KB
 from ..controller import EmbeddedController
+from ..fabric import TcpTransport, load_secret, parse_address
 from ..fuse import Operations
 from ..staging import SpillStore, StagingPool
 from ..vfs import Filesystem, VfsOptions
 from . import _control
+from ._cluster import ClusterNode
 from ._options import NodeConfig
 from ._paths import control_socket, default_state_dir
 
@@ -137,23 +139,48 @@ def run_node(cfg: NodeConfig, ready_fd: int | None = None) -> int:
         os.close(lock_fd)
 
 
+def _cluster_node(cfg: NodeConfig, meta, pool) -> ClusterNode | None:
+    """Cluster mode (``fabric=``): this node's fabric endpoint and controller session."""
+    if not cfg.cluster:
+        return None
+    secret = load_secret(cfg.secret_file)
+    host, port = parse_address(cfg.fabric)
+    transport = TcpTransport(cfg.node, secret, host=host, port=port)
+    gbps = 1e9 / 8
+    return ClusterNode(
+        node=cfg.node, replicas=cfg.replicas, controller=cfg.controller, meta=meta, pool=pool, transport=transport,
+        send_bw=cfg.fabric_gbps * gbps, recv_bw=cfg.fabric_gbps * gbps, snic_bw=cfg.snic_gbps * gbps,
+    )
+
+
 async def _main(cfg: NodeConfig, state_dir: str, ready: ReadyPipe) -> int:
-    meta = meta_mod.open_meta(f"sqlite:///{os.path.join(state_dir, 'meta.db')}")
+    meta = meta_mod.open_meta(cfg.meta or f"sqlite:///{os.path.join(state_dir, 'meta.db')}")
     await meta.init(root_uid=os.getuid(), root_gid=os.getgid(), root_mode=0o40755)
     backend = await backend_mod.open_backend(cfg.backend, dict(cfg.backend_options))
     spill = SpillStore(cfg.spill or os.path.join(state_dir, "spill"))
     pool = StagingPool(cfg.dram_bytes, spill, eager_spill=cfg.spill is not None)
+    cluster = _cluster_node(cfg, meta, pool)
+    if cluster is None:
+        return await _serve(cfg, state_dir, ready, meta, backend, pool, spill, None)
+    async with cluster.transport:
+        return await _serve(cfg, state_dir, ready, meta, backend, pool, spill, cluster)
+
+
+async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backend, pool, spill, cluster) -> int:
     controller = EmbeddedController()
     vopts = VfsOptions(
         fsync_durable=cfg.fsync_durable, sync_close=cfg.sync_close, import_ttl_s=cfg.import_ttl_s,
         persist_retry_window_s=cfg.persist_retry_window_s, drain_timeout_s=cfg.drain_timeout_s,
         owner_uid=os.getuid(), owner_gid=os.getgid(),
     )
-    fs = Filesystem(meta, backend, pool, vopts, reporter=controller.report_close)
+    fs = Filesystem(meta, backend, pool, vopts, reporter=controller.report_close, cluster=cluster)
     ops = Operations(fs, debug_faults=cfg.debug_faults)
     started = time.time()
     exit_code = 0
     async with trio.open_nursery() as nursery:
+        if cluster is not None:
+            cluster.fs = fs
+            await nursery.start(cluster.run, cfg.fabric)
         await fs.start(nursery)
         nursery.start_soon(pool.run_spiller)
         nursery.start_soon(pool.run_warmer)
@@ -162,7 +189,7 @@ async def _main(cfg: NodeConfig, state_dir: str, ready: ReadyPipe) -> int:
         except RuntimeError as exc:
             raise ConfigError(f"FUSE mount of {cfg.mountpoint} failed: {exc}") from None
         nursery.start_soon(_set_read_ahead_after_init, cfg.mountpoint)
-        dispatch = _Dispatcher(cfg, fs, pool, controller, ops, started)
+        dispatch = _Dispatcher(cfg, fs, pool, controller, ops, started, cluster)
         await nursery.start(_control.serve, control_socket(cfg.mountpoint), dispatch)
         nursery.start_soon(_watch_signals)
         log.info("mounted %s at %s (pool %d MiB, spill %s, state %s)", cfg.backend, cfg.mountpoint,
@@ -207,8 +234,9 @@ async def _watch_signals() -> None:
 class _Dispatcher:
     """Answers control-socket requests from the running daemon's state."""
 
-    def __init__(self, cfg, fs, pool, controller, ops, started):
+    def __init__(self, cfg, fs, pool, controller, ops, started, cluster):
         self.cfg, self.fs, self.pool, self.controller, self.ops, self.started = cfg, fs, pool, controller, ops, started
+        self.cluster = cluster
 
     async def __call__(self, request: dict) -> dict:
         cmd = request.get("cmd")
@@ -232,9 +260,11 @@ class _Dispatcher:
             "pool": vars(self.pool.stats()),
             "persist": {
                 "queue": p.queue_length(), "queued": queued, "bytes_uploaded": p.bytes_uploaded,
-                "bytes_fetched": p.bytes_fetched, "files_durable": p.files_durable,
+                "bytes_fetched": p.bytes_fetched, "bytes_copied": p.bytes_copied,
+                "bytes_uploaded_for_peers": p.bytes_uploaded_for_peers, "files_durable": p.files_durable,
                 "files_broken": p.files_broken, "retries": p.retries,
             },
             "groups": self.controller.summary(),
+            "cluster": self.cluster.status() if self.cluster is not None else None,
             "errors": self.fs.errors[-20:],
         }

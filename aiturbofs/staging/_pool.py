@@ -175,6 +175,21 @@ class StagingPool:
         self.pin(key)
         self._place(e)
 
+    async def store(self, key: bytes, data) -> None:
+        """Keep a copy of a verified chunk from elsewhere (a peer's replica), pinned like ``adopt``.
+
+        Waits for memory like a writer does: a replica is dirty data too.
+        """
+        e = self._entries.get(key)
+        if e is not None and (e.buf is not None or e.spilled):
+            self.pin(key)
+            return
+        n = len(data)
+        cap = CHUNK_BYTES if n > CHUNK_BYTES // 2 else max(4096, 1 << max(0, n - 1).bit_length())
+        buf = await self.alloc(cap)
+        buf[:n] = data
+        self.adopt(key, buf, n)
+
     def pin(self, key: bytes) -> None:
         """Add a not-yet-durable reference to a present chunk."""
         e = self._entries[key]

@@ -38,6 +38,7 @@ from .._errors import (
 )
 from .._limits import (
     CHUNK_BYTES,
+    CLUSTER_STATE_POLL_S,
     FILE_SIZE_BYTES_MAX,
     HASH_INLINE_BYTES_MAX,
     NAME_BYTES_MAX,
@@ -47,6 +48,7 @@ from .._limits import (
 from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, STATE_STAGED, InodeRow
 from ..staging import StagingPool
 from . import _xattr
+from ._cluster import ClusterPort, Staged, StageRequest
 from ._content import FileContent, Slot
 from ._importer import Importer
 from ._options import VfsOptions
@@ -117,8 +119,12 @@ def _check_name(name: bytes) -> None:
 class Filesystem:
     """The node's POSIX filesystem (see module doc)."""
 
-    def __init__(self, meta, backend, pool: StagingPool, options: VfsOptions, *, reporter: CloseReporter | None = None):
+    def __init__(
+        self, meta, backend, pool: StagingPool, options: VfsOptions, *,
+        reporter: CloseReporter | None = None, cluster: ClusterPort | None = None,
+    ):
         self.meta = meta
+        self.cluster = cluster
         self.backend = backend
         self.pool = pool
         self.options = options
@@ -505,6 +511,11 @@ class Filesystem:
         node = await self._inode(ino)
         if node.opens == 0 and (node.content is None or not node.content.dirty):
             await self._refresh(node)  # close-to-open: see the latest commit
+            content = node.content
+            if self.cluster is not None and content is not None and (
+                content.size != node.row.size or content.manifest() != node.row.manifest
+            ):
+                self._drop_content(node)  # another node committed a newer version
         row = node.row
         if stat.S_ISDIR(row.mode):
             raise IsADirectory("open of a directory as a file")
@@ -732,14 +743,35 @@ class Filesystem:
             # has (unchanged since the last durable version): the persister
             # fetches them from there if the pool has evicted them.
             manifest = content.manifest()
+            placed = None
+            if self.cluster is not None:
+                placed = await self._stage(node, content, manifest)
+                if content.seq != seq:
+                    continue  # written meanwhile: seal and place the new bytes
             row = await self.meta.commit_manifest(
-                node.ino, size=content.size, manifest=manifest, state=STATE_STAGED, mtime_ns=node.row.mtime_ns
+                node.ino, size=content.size, manifest=manifest, state=STATE_STAGED, mtime_ns=node.row.mtime_ns,
+                **({"owner": self.cluster.node, "holders": placed.holders} if placed is not None else {}),
             )
             content.committed_seq = seq
             node.row = row
             self._notify_state(node.ino)
+            self.persister.set_hints(node.ino, row.version, placed.hints if placed is not None else None)
             self.persister.enqueue(node.ino)
-            await self._report(node, row, manifest)
+            if placed is None:
+                await self._report(node, row, manifest)
+
+    async def _stage(self, node: Inode, content: FileContent, manifest: bytes) -> Staged:
+        """Cluster: place the chunks on ``replicas`` nodes before close() returns."""
+        tags = await self._tags(node)
+        group = tags.get(_xattr.GROUP)
+        size_tag = tags.get(_xattr.GROUP_SIZE)
+        paths = await self.meta.paths_of(node.ino)
+        return await self.cluster.stage(
+            StageRequest(
+                ino=node.ino, path=paths[0] if paths else "", size=content.size, manifest=manifest,
+                group=group.decode() if group else None, group_size=int(size_tag) if size_tag else None,
+            )
+        )
 
     async def _report(self, node: Inode, row: InodeRow, manifest: bytes) -> None:
         if self._reporter is None:
@@ -887,4 +919,10 @@ class Filesystem:
             if row.state == STATE_DURABLE and row.persisted_version == row.version:
                 return
             event = self._state_changed.setdefault(ino, trio.Event())
-            await event.wait()
+            if self.cluster is None:
+                await event.wait()
+            else:
+                # another node may persist it (a takeover): its progress is
+                # seen in the shared metadata only
+                with trio.move_on_after(CLUSTER_STATE_POLL_S):
+                    await event.wait()

@@ -27,15 +27,21 @@ from contextlib import asynccontextmanager
 import trio
 
 from .. import chunk
-from .._errors import AiturboError, BackendError, BackendNotFound, IntegrityError, NotFound, TransientBackendError
+from .._errors import (
+    AiturboError, BackendError, BackendNotFound, IntegrityError, NotFound, NotSupported, PeerBroken, PeerClosed,
+    RemoteError, TransientBackendError,
+)
 from .._limits import (
     CHUNK_BYTES,
+    CLUSTER_SOURCE_POLL_S,
+    CLUSTER_SOURCE_WAIT_S,
     PERSIST_BACKOFF_FIRST_S,
     PERSIST_BACKOFF_MAX_S,
     PERSIST_FILES_IN_FLIGHT,
     PERSIST_PARTS_IN_FLIGHT,
 )
 from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED
+from ._cluster import CopySource, PersistHints
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +88,23 @@ class _Deferred(Exception):
     """Another file must move its object away from our name first."""
 
 
+class _PartPlan:
+    """Cluster: how one upload's parts are made (see ``Persister._part_plan``)."""
+
+    __slots__ = ("hints", "sources", "target", "wait_until", "token")
+
+    def __init__(self, hints: PersistHints, sources: dict[int, CopySource], target: str, wait_until: float):
+        self.hints = hints
+        self.sources = sources
+        self.wait_until = wait_until
+        self.target = target
+        self.token: str | None = None  # lets other nodes write parts of this upload
+
+    @property
+    def wait(self) -> set[int]:
+        return self.hints.wait
+
+
 class Persister:
     """Background reconciliation of inodes with the backend (see module doc)."""
 
@@ -109,6 +132,11 @@ class Persister:
         # own job changes its keys, and a job start or a new enqueue forgets them.
         self._moved: dict[int, object] = {}
         self._defers: dict[int, int] = {}  # inode -> deferrals in a row (see _defer)
+        # Cluster: how the round plan splits an inode's upload, for one version.
+        self._hints: dict[int, tuple[int, PersistHints]] = {}
+        self._copy_warned = False
+        self.bytes_copied = 0  # materialised by server-side copy (dedup), not sent
+        self.bytes_uploaded_for_peers = 0  # parts of other nodes' uploads sent from here
         self.bytes_uploaded = 0
         self.bytes_fetched = 0
         self.files_durable = 0
@@ -116,6 +144,13 @@ class Persister:
         self.retries = 0
 
     # ------------------------------------------------------------------ queue
+    def set_hints(self, ino: int, version: int, hints: PersistHints | None) -> None:
+        """Remember how the round plan splits the upload of ``ino`` at ``version``."""
+        if hints is None:
+            self._hints.pop(ino, None)
+        else:
+            self._hints[ino] = (version, hints)
+
     def enqueue(self, ino: int, *, moved: bool = False) -> None:
         """Reconcile ``ino`` soon.  ``moved``: its names changed (rename, link,
         unlink), so its backend objects may sit at names it no longer has
@@ -242,16 +277,50 @@ class Persister:
         # Trust the metadata, not only the queue: a file a bug dropped from the
         # queue is still staged there, and must not be reported durable.
         for row in await self.meta.inodes_in_states([STATE_STAGED, STATE_PERSISTING]):
-            if row.nlink > 0 and row.ino not in left:
+            if row.nlink > 0 and row.ino not in left and self._mine(row):
                 left.append(row.ino)
         return left
+
+    def _mine(self, row) -> bool:
+        """Is this node the one to persist ``row``?  (Always, on a single node.)"""
+        cluster = self.fs.cluster
+        return cluster is None or row.owner in (None, cluster.node)
+
+    async def take_over(self, dead: set[str]) -> None:
+        """Cluster: persist the staged files of dead nodes from the replicas here.
+
+        The first live holder of a file claims it (a compare-and-set on its
+        owner, so exactly one node does).  A file whose every holder is dead
+        lost its last DRAM copy before it became durable: it is broken.
+        """
+        me = self.fs.cluster.node
+        for row in await self.meta.inodes_in_states([STATE_STAGED, STATE_PERSISTING]):
+            if row.owner is None or row.owner not in dead or row.nlink == 0:
+                continue
+            live = [h for h in row.holders if h not in dead]
+            paths = await self.meta.paths_of(row.ino)
+            name = paths[0] if paths else f"inode {row.ino}"
+            if not live:
+                if await self.meta.set_state(row.ino, STATE_BROKEN, if_version=row.version):
+                    self.fs.record_error(f"{name} is broken: every node holding it ({', '.join(row.holders)}) died before it was durable")
+                    self.fs._notify_state(row.ino)
+                continue
+            if live[0] == me and await self.meta.claim_owner(row.ino, row.version, row.owner, me):
+                log.warning("node %r is dead: persisting %s (%d bytes) from the replica here", row.owner, name, row.size)
+                self.enqueue(row.ino)
 
     # ------------------------------------------------------------- recovery
     async def recover(self) -> None:
         """After a restart: resume persists whose chunks survived in spill."""
+        cluster = self.fs.cluster
         for row in await self.meta.inodes_in_states([STATE_STAGED, STATE_PERSISTING]):
+            if not self._mine(row):
+                continue  # another node's file (shared metadata)
             keys = [k for k in chunk.unpack_manifest(row.manifest or b"") if k != chunk.HOLE]
             missing = [k for k in keys if k not in self.pool.spill]
+            if cluster is not None and missing and any(h != cluster.node for h in row.holders):
+                log.info("inode %d: %d chunk(s) are fetched back from its replicas", row.ino, len(missing))
+                missing = []
             if missing and not row.backend_keys:
                 paths = await self.meta.paths_of(row.ino)
                 await self.meta.set_state(row.ino, STATE_BROKEN)
@@ -325,6 +394,8 @@ class Persister:
             if row.state == STATE_BROKEN:
                 return
             if row.state != STATE_DURABLE or row.persisted_version != row.version:
+                if not self._mine(row):
+                    return  # its owner uploads it (and then reconciles the names it finds)
                 try:
                     uploaded = await self._upload_version(row, paths)
                 except (BackendError, IntegrityError):
@@ -418,6 +489,7 @@ class Persister:
                 # Both names stay locked until the keys are recorded: an import
                 # listing meanwhile must not take the hidden name for a new file.
                 async with self._key_lock(key), self._key_lock(aside):
+                    await self._forget_sources(key)
                     await self.backend.move(key, aside)
                     keys[i] = aside
                     await self.meta.set_attrs(row.ino, backend_keys=keys)
@@ -452,6 +524,7 @@ class Persister:
                 if not await self._free_for(target, row.ino):
                     raise _Deferred
                 published = []
+                await self._forget_sources(target)  # the object there is replaced
                 async with self._key_lock(target):
                     if not await self._place(lambda: self._complete(upload, row.size, published), target):
                         raise _Deferred
@@ -486,6 +559,7 @@ class Persister:
                 return False
             raise
         if durable:
+            await self._record_sources(row, target, info.etag)
             self.files_durable += 1
             log.info("durable: %s (%d bytes, version %d)", paths[0], row.size, row.version)
             await self.fs.on_persisted(row.ino, await self.meta.get_inode(row.ino))
@@ -511,14 +585,18 @@ class Persister:
     async def _upload(self, row, key: str):
         keys = chunk.unpack_manifest(row.manifest or b"")
         n = chunk.chunk_count(row.size)
+        parts = await self._part_plan(row, key, keys[:n])
         upload = await self.backend.open_upload(key)
         limiter = trio.Semaphore(PERSIST_PARTS_IN_FLIGHT)
+        # Parts whose bytes another file of the round uploads go last: waiting
+        # for them must not hold the slots the other parts need.
+        order = sorted(range(n), key=lambda i: parts is not None and i in parts.wait)
         try:
             try:
                 async with trio.open_nursery() as nursery:
-                    for index in range(n):
+                    for index in order:
                         await limiter.acquire()
-                        nursery.start_soon(self._upload_part, upload, row, keys[index], index, limiter)
+                        nursery.start_soon(self._upload_part, upload, row, keys[index], index, limiter, parts)
             except BaseExceptionGroup as group:
                 one = _one_error(group)
                 if one is group:
@@ -533,27 +611,150 @@ class Persister:
             raise
         return upload  # every part sent; the caller publishes it (complete) or aborts
 
-    async def _upload_part(self, upload, row, key: bytes, index: int, limiter) -> None:
+    async def _upload_part(self, upload, row, key: bytes, index: int, limiter, parts: "_PartPlan | None") -> None:
         try:
             length = chunk.chunk_length(row.size, index)
             if key == chunk.HOLE:
                 await upload.write_part(index, bytes(length))
-            else:
-                async with self.pool.lease(key, lambda: self._fetch_previous(row, index, key, length)) as view:
-                    await upload.write_part(index, view)
+                self.bytes_uploaded += length
+                return
+            if parts is not None:
+                if await self._copy_part(upload, parts, index, key, length):
+                    return
+                if await self._remote_part(upload, row, parts, index, key, length):
+                    return
+            async with self.pool.lease(key, lambda: self._fetch_previous(row, index, key, length)) as view:
+                await upload.write_part(index, view)
             self.bytes_uploaded += length
         finally:
             limiter.release()
 
+    # ------------------------------------------------------- cluster uploads
+    async def _part_plan(self, row, target: str, keys: list[bytes]) -> "_PartPlan | None":
+        """Cluster: which parts are copied server-side, waited for, or sent by other nodes."""
+        if self.fs.cluster is None:
+            return None
+        found = self._hints.get(row.ino)
+        hints = found[1] if found is not None and found[0] == row.version else PersistHints()
+        wanted = [k for k in dict.fromkeys(keys) if k != chunk.HOLE]
+        known = await self.meta.chunk_sources(wanted) if wanted else {}
+        sources = dict(hints.copy)
+        for index, k in enumerate(keys):
+            src = known.get(k)
+            if index not in sources and src is not None and src.backend_key != target:
+                sources[index] = CopySource(src.backend_key, src.offset, src.length, src.etag)
+        return _PartPlan(hints, sources, target, time.monotonic() + CLUSTER_SOURCE_WAIT_S)
+
+    async def _copy_part(self, upload, parts: "_PartPlan", index: int, key: bytes, length: int) -> bool:
+        """Dedup: materialise the part from a durable copy of its chunk; False to send bytes."""
+        src = parts.sources.get(index)
+        if src is None and index in parts.wait:
+            src = await self._wait_source(key, parts.wait_until)
+        if src is None or src.length != length:
+            return False
+        if not self.backend.supports_server_copy:
+            if not self._copy_warned:
+                self._copy_warned = True
+                log.warning("backend %s cannot copy server-side: duplicate chunks are uploaded again", self.backend.url)
+            return False
+        try:
+            await upload.copy_part(index, src.backend_key, src.offset, length, if_etag=src.etag)
+        except TransientBackendError:
+            raise
+        except BackendError as exc:  # changed or gone since it was recorded
+            log.info("server-side copy of %s part %d from %s failed (%s); sending the bytes", parts.target, index, src.backend_key, exc)
+            return False
+        self.bytes_copied += length
+        return True
+
+    async def _wait_source(self, key: bytes, until: float) -> CopySource | None:
+        """The durable copy another file of the round is making of ``key``, or None in time."""
+        while True:
+            src = (await self.meta.chunk_sources([key])).get(key)
+            if src is not None:
+                return CopySource(src.backend_key, src.offset, src.length, src.etag)
+            if time.monotonic() >= until:
+                log.info("chunk %s… not durable elsewhere in time; sending its bytes", key.hex()[:16])
+                return None
+            await trio.sleep(CLUSTER_SOURCE_POLL_S)
+
+    async def _remote_part(self, upload, row, parts: "_PartPlan", index: int, key: bytes, length: int) -> bool:
+        """The plan gives this part to another node: it sends the bytes; False to send them here."""
+        cluster = self.fs.cluster
+        node = parts.hints.persist.get(index)
+        if node is None or node == cluster.node or not getattr(self.backend, "supports_remote_parts", False):
+            return False
+        try:
+            if parts.token is None:
+                parts.token = await upload.token()
+            receipt = await cluster.upload_part(node, parts.target, parts.token, index, key, length, row.holders)
+        except TransientBackendError:
+            raise
+        except (PeerBroken, PeerClosed, RemoteError, NotSupported, BackendError) as exc:
+            log.warning("node %r did not upload part %d of %s (%s); sending it from here", node, index, parts.target, exc)
+            return False
+        upload.add_remote_part(index, length, receipt)
+        return True
+
+    async def upload_for_peer(self, backend_key: str, token: str, index: int, key: bytes, length: int, holders: list[str]) -> str:
+        """Another node's plan gives us part ``index`` of its upload: send it from our pool."""
+        async def fetch() -> bytes:
+            data = await self.fs.cluster.fetch(key, holders) if holders else None
+            if data is None:
+                raise IntegrityError(f"chunk {key.hex()[:16]}… for part {index} of {backend_key} is on no holder")
+            return data
+
+        async with self.pool.lease(key, fetch) as view:
+            if len(view) != length:
+                raise IntegrityError(f"chunk {key.hex()[:16]}… has {len(view)} bytes, the part needs {length}")
+            receipt = await self.backend.write_remote_part(backend_key, token, index, view)
+        self.bytes_uploaded += length
+        self.bytes_uploaded_for_peers += length
+        return receipt
+
+    async def _record_sources(self, row, key: str, etag: str | None) -> None:
+        """Cluster: chunks of a durable object can be copied from it (dedup later)."""
+        if self.fs.cluster is None or row.manifest is None:
+            return
+        keys = chunk.unpack_manifest(row.manifest)
+        entries = [
+            (k, i * CHUNK_BYTES, chunk.chunk_length(row.size, i))
+            for i, k in enumerate(keys[: chunk.chunk_count(row.size)]) if k != chunk.HOLE
+        ]
+        await self.meta.record_chunk_sources(key, etag, entries)
+
+    async def _forget_sources(self, key: str) -> None:
+        """Before the object at ``key`` changes: its chunks are no dedup source any more.
+
+        (Copies are also conditional on the source's etag, so a source
+        forgotten too late costs a fallback upload, never wrong bytes.)
+        """
+        if self.fs.cluster is not None:
+            await self.meta.forget_chunk_sources(key)
+
+    async def _from_peers(self, row, key: bytes) -> bytes | None:
+        cluster = self.fs.cluster
+        if cluster is None or not row.holders:
+            return None
+        others = [h for h in row.holders if h != cluster.node]
+        return await cluster.fetch(key, others) if others else None
+
     async def _fetch_previous(self, row, index: int, key: bytes, length: int) -> bytes:
-        """A chunk the pool no longer has: from the previous backend version."""
+        """A chunk the pool no longer has: from a peer's pool or the previous backend version."""
+        data = await self._from_peers(row, key)
+        if data is not None:
+            return data
         if not row.backend_keys:
             raise IntegrityError(f"chunk {index} of inode {row.ino} is in neither DRAM, spill nor the backend")
         return await self._read_verified(row.backend_keys, index, key, length)
 
     async def fetch_chunk(self, ino: int, index: int, key: bytes, length: int) -> bytes:
-        """Read path: a sealed chunk missing from the pool, from the backend."""
+        """Read path: a sealed chunk missing from the pool, from a peer or the backend."""
         row = await self.meta.get_inode(ino)
+        if row.state != STATE_DURABLE or row.persisted_version != row.version:
+            data = await self._from_peers(row, key)
+            if data is not None:
+                return data
         if not row.backend_keys:
             raise IntegrityError(f"chunk {index} of inode {ino} is in neither DRAM, spill nor the backend")
         try:
@@ -615,6 +816,7 @@ class Persister:
                         if placed:
                             current.append(dst)
                     else:
+                        await self._forget_sources(src)
                         placed = await self._place(self.backend.move, dst, src, dst)
                         if placed:
                             current[current.index(src)] = dst
@@ -663,6 +865,7 @@ class Persister:
             # file has not written it yet (it does so under this lock, later),
             # and it may be renamed away first, which left the object orphaned
             # for an import to bring back as a deleted file.
+            await self._forget_sources(key)
             await self.backend.delete(key)
             self._note_vacated(key)
         await self._prune_dirs(key)

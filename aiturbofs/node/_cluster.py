@@ -1,0 +1,410 @@
+"""This node's part of a cluster: fabric endpoint, controller session, replicas.
+
+``ClusterNode`` implements the VFS's ``ClusterPort`` and the fabric's
+``ChunkHandler``:
+
+- **stage** (close(), future 0): a grouped file is reported to the
+  controller, which answers with the round's plan: the transfers this node
+  makes, who holds the file's chunks afterwards and how its upload is split
+  (dedup).  Without a plan (an ungrouped file, or no answer from the
+  controller within ``CLUSTER_REPORT_TIMEOUT_S``) the node places the
+  replicas itself on the next live nodes (rendezvous hashing by inode).
+  Each receiver pins the chunks under a ``hold`` for the inode and releases
+  them once the shared metadata says the file is durable (or gone).
+- **membership** comes from the shared metadata (the controller records
+  joins, heartbeats and deaths there), so a controller restart does not
+  change who is alive; the session to the controller re-joins by itself.
+- **takeover**: files whose owner the controller declared dead are
+  persisted by their first live holder (``Persister.take_over``).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+import blake3
+import trio
+
+from .. import chunk
+from .._errors import AiturboError, AuthFailed, InvalidArgument, NotFound, PeerBroken, PeerClosed, RemoteError
+from .._limits import (
+    CLUSTER_HOLD_PENDING_S,
+    CLUSTER_RECONNECT_S,
+    CLUSTER_REPORT_TIMEOUT_S,
+    CLUSTER_TAKEOVER_PERIOD_S,
+    FABRIC_CALL_TIMEOUT_S,
+    HASH_BYTES,
+)
+from ..fabric import PeerInfo, Transport, format_address, parse_address
+from ..meta import NODE_ALIVE, NODE_DEAD, STATE_BROKEN, STATE_DURABLE
+from ..vfs import CopySource, PersistHints, Staged, StageRequest
+
+log = logging.getLogger("aiturbofs.cluster")
+
+PUTS_IN_FLIGHT_PER_PEER = 4  # chunk puts to one replica target at once
+_PEER_ERRORS = (PeerBroken, PeerClosed, RemoteError, AuthFailed)
+
+
+def _key(text) -> bytes:
+    try:
+        key = bytes.fromhex(text)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"bad chunk key {text!r}") from None
+    if len(key) != HASH_BYTES:
+        raise InvalidArgument(f"bad chunk key {text!r}")
+    return key
+
+
+class ClusterNode:
+    def __init__(self, *, node: str, replicas: int, controller: str | None, meta, pool, transport: Transport,
+                 send_bw: float, recv_bw: float, snic_bw: float):
+        self.node = node
+        self.replicas = replicas
+        self.controller_address = controller
+        self.meta = meta
+        self.pool = pool
+        self.transport = transport
+        self.bandwidths = {"send_bw": send_bw, "recv_bw": recv_bw, "snic_bw": snic_bw}
+        self.fs = None  # set by the daemon once the Filesystem exists
+        self.address: str | None = None  # where peers reach our fabric endpoint
+        self.members: dict[str, str] = {}  # live node -> fabric address (from the metadata)
+        self.dead: set[str] = set()
+        self._peers: dict[str, object] = {}
+        self._peer_locks: dict[str, trio.Lock] = {}
+        self._controller = None  # Peer, while the session is up
+        self._holds: dict[int, set[bytes]] = {}  # inode -> replica chunks pinned here for it
+        self._pending: dict[bytes, list[float]] = {}  # received chunks no hold claimed yet
+        self.stats = {
+            "rounds": 0, "rounds_failed": 0, "chunks_replicated": 0, "bytes_replicated": 0,
+            "chunks_received": 0, "chunks_served": 0, "chunks_fetched": 0, "last_plan": None,
+        }
+
+    # ============================================================ lifecycle
+    async def run(self, listen: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(self.transport.serve, self)
+            host, port = parse_address(address)
+            if host in ("0.0.0.0", "::", ""):  # listening everywhere: advertise the host's address
+                host = socket.gethostbyname(socket.gethostname())
+            self.address = format_address(host, port)
+            # Registered here too, so that peers find this node at once (and
+            # daemons sharing SQLite metadata on one host work without a controller).
+            await self.meta.upsert_node(self.node, self.address, self.bandwidths, time.time_ns())
+            await self._refresh_members()
+            log.info("fabric (%s) serving at %s as node %r; replicas=%d; controller %s",
+                     self.transport.kind, self.address, self.node, self.replicas, self.controller_address or "embedded")
+            if self.controller_address:
+                nursery.start_soon(self._controller_session)
+            nursery.start_soon(self._housekeeping)
+            task_status.started()
+
+    def dead_nodes(self) -> set[str]:
+        return set(self.dead)
+
+    async def _refresh_members(self) -> None:
+        rows = await self.meta.nodes()
+        self.members = {r.name: r.address for r in rows if r.state == NODE_ALIVE}
+        self.members[self.node] = self.address or ""
+        self.dead = {r.name for r in rows if r.state == NODE_DEAD} - {self.node}
+
+    async def _controller_session(self) -> None:
+        """Join, then heartbeat; re-join after any failure (controller restart)."""
+        down_since = None
+        while True:
+            peer = None
+            try:
+                peer = await self.transport.connect(self.controller_address)
+                reply = await peer.control({"op": "join", "node": self.node, "fabric": self.address,
+                                            "dram_free": self._dram_free(), **self.bandwidths})
+                if not reply.get("ok"):
+                    raise RemoteError(f"join refused: {reply.get('error')}")
+                period = float(reply.get("heartbeat_s", 1.0))
+                self._controller = peer
+                log.info("joined the controller at %s%s", self.controller_address,
+                         f" after {time.monotonic() - down_since:.1f} s" if down_since else "")
+                down_since = None
+                while True:
+                    await trio.sleep(period)
+                    reply = await peer.control({"op": "heartbeat", "node": self.node, "dram_free": self._dram_free()})
+                    if reply.get("error"):
+                        log.warning("controller: %s; joining again", reply["error"])
+                        break
+            except _PEER_ERRORS as exc:
+                if down_since is None:
+                    down_since = time.monotonic()
+                    log.warning("controller at %s unreachable (%s); retrying every %.0f s", self.controller_address, exc, CLUSTER_RECONNECT_S)
+            finally:
+                self._controller = None
+                if peer is not None:
+                    await peer.aclose()
+            await trio.sleep(CLUSTER_RECONNECT_S)
+
+    def _dram_free(self) -> int:
+        s = self.pool.stats()
+        return max(0, s.budget_bytes - s.dirty_bytes)
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await trio.sleep(CLUSTER_TAKEOVER_PERIOD_S)
+            try:
+                if not self.controller_address:
+                    await self.meta.node_heartbeat(self.node, time.time_ns())
+                await self._refresh_members()
+                await self._release_holds()
+                if self.dead and self.fs is not None:
+                    await self.fs.persister.take_over(self.dead)
+            except AiturboError as exc:  # the metadata engine is unreachable: try again
+                log.warning("cluster housekeeping: %s", exc)
+
+    async def _release_holds(self) -> None:
+        for ino, keys in list(self._holds.items()):
+            try:
+                row = await self.meta.get_inode(ino)
+                done = row.nlink == 0 or row.state == STATE_BROKEN or (
+                    row.state == STATE_DURABLE and row.persisted_version == row.version
+                )
+            except NotFound:
+                done = True
+            if done and self._holds.get(ino) is keys:
+                del self._holds[ino]
+                for key in keys:
+                    self.pool.unpin(key)
+        cutoff = time.monotonic() - CLUSTER_HOLD_PENDING_S
+        for key, times in list(self._pending.items()):
+            while times and times[0] < cutoff:
+                times.pop(0)
+                self.pool.unpin(key)
+                log.warning("chunk %s… was received but never claimed by a file: released", key.hex()[:16])
+            if not times:
+                del self._pending[key]
+
+    # ==================================================== fabric handler
+    async def get_chunk(self, peer: PeerInfo, key: bytes):
+        view = self.pool.view(key)
+        if view is not None:
+            self.stats["chunks_served"] += 1
+            return bytes(view)
+        if key in self.pool.spill:
+            self.stats["chunks_served"] += 1
+            return await self.pool.spill.read(key)
+        return None
+
+    async def put_chunk(self, peer: PeerInfo, key: bytes, data: bytearray) -> bool:
+        await self.pool.store(key, data)
+        self._pending.setdefault(key, []).append(time.monotonic())
+        self.stats["chunks_received"] += 1
+        return True
+
+    async def control(self, peer: PeerInfo, body: dict) -> dict:
+        op = body.get("op")
+        if op == "hold":
+            self._hold(int(body["ino"]), [_key(k) for k in body.get("keys", [])])
+            return {"ok": True}
+        if op == "upload_part":
+            if self.fs is None:
+                raise RemoteError("not serving yet")
+            receipt = await self.fs.persister.upload_for_peer(
+                str(body["backend_key"]), str(body["token"]), int(body["index"]), _key(body["key"]),
+                int(body["length"]), [str(h) for h in body.get("holders", [])],
+            )
+            return {"receipt": receipt}
+        raise InvalidArgument(f"unknown control op {op!r} from {peer.node!r}")
+
+    def _hold(self, ino: int, keys: list[bytes]) -> None:
+        """Turn received chunks into replicas of ``ino``: pinned until it is durable."""
+        held = self._holds.setdefault(ino, set())
+        for key in keys:
+            times = self._pending.get(key)
+            if not times:
+                continue  # never arrived (or already expired): the sender counted it as failed
+            times.pop(0)
+            if not times:
+                del self._pending[key]
+            if key in held:
+                self.pool.unpin(key)  # one pin per file is enough
+            else:
+                held.add(key)
+
+    # ===================================================== peers
+    async def _peer(self, name: str):
+        peer = self._peers.get(name)
+        if peer is not None and peer.state == "open":
+            return peer
+        lock = self._peer_locks.setdefault(name, trio.Lock())
+        async with lock:
+            peer = self._peers.get(name)
+            if peer is not None and peer.state == "open":
+                return peer
+            address = self.members.get(name)
+            if not address:
+                await self._refresh_members()
+                address = self.members.get(name)
+            if not address:
+                raise PeerBroken(f"node {name!r} is not a live member")
+            peer = self._peers[name] = await self.transport.connect(address)
+            return peer
+
+    async def fetch(self, key: bytes, holders: list[str]) -> bytes | None:
+        for name in holders:
+            if name == self.node or name in self.dead:
+                continue
+            try:
+                data = await (await self._peer(name)).get_chunk(key)
+            except (*_PEER_ERRORS, AiturboError) as exc:
+                log.info("chunk %s… from %r: %s", key.hex()[:16], name, exc)
+                continue
+            if data is not None:
+                self.stats["chunks_fetched"] += 1
+                return bytes(data)
+        return None
+
+    async def upload_part(self, node: str, backend_key: str, token: str, index: int, key: bytes, length: int, holders: list[str]) -> str:
+        peer = await self._peer(node)
+        reply = await peer.control(
+            {"op": "upload_part", "backend_key": backend_key, "token": token, "index": index,
+             "key": key.hex(), "length": length, "holders": holders},
+            timeout=FABRIC_CALL_TIMEOUT_S,
+        )
+        return str(reply["receipt"])
+
+    # ===================================================== staging (future 0)
+    async def stage(self, request: StageRequest) -> Staged:
+        keys = chunk.unpack_manifest(request.manifest)[: chunk.chunk_count(request.size)]
+        reply = None
+        if request.group is not None and self.controller_address and keys:
+            reply = await self._report(request, keys)
+        if reply is None:
+            holders = await self._replicate(request.ino, keys, self.replicas - 1)
+            return Staged(holders=holders)
+        by_dst: dict[str, list[bytes]] = {}
+        for index, dst in reply.get("stage", []):
+            by_dst.setdefault(str(dst), []).append(keys[int(index)])
+        holders = [str(h) for h in reply.get("holders", [])] or [self.node]
+        if self.node not in holders:
+            holders.insert(0, self.node)
+        failed = []
+        async with trio.open_nursery() as nursery:
+            for dst, dst_keys in by_dst.items():
+                nursery.start_soon(self._put_all, request.ino, dst, dst_keys, failed)
+        for dst, dst_keys in failed:  # a planned target failed: place those chunks elsewhere
+            if dst in holders:
+                holders.remove(dst)
+            holders += [h for h in await self._replicate(request.ino, dst_keys, 1, avoid=set(holders)) if h not in holders]
+        hints = PersistHints(
+            persist={int(i): str(n) for i, n in reply.get("persist", {}).items()},
+            copy={int(i): CopySource(str(c["backend_key"]), int(c["offset"]), int(c["length"]), c.get("etag"))
+                  for i, c in reply.get("copy", {}).items()},
+            wait={int(i) for i in reply.get("wait", [])},
+        )
+        return Staged(holders=holders, hints=hints)
+
+    async def _report(self, request: StageRequest, keys: list[bytes]) -> dict | None:
+        """The round plan for a grouped file, or None (then it is placed alone)."""
+        body = {
+            "op": "report", "node": self.node, "group": request.group, "group_size": request.group_size,
+            "replicas": self.replicas,
+            "file": {"ino": request.ino, "path": request.path, "size": request.size,
+                     "chunks": [k.hex() for k in keys],
+                     "lengths": [chunk.chunk_length(request.size, i) for i in range(len(keys))]},
+        }
+        deadline = trio.current_time() + CLUSTER_REPORT_TIMEOUT_S
+        while trio.current_time() < deadline:
+            if self._controller is None:
+                await trio.sleep(0.05)  # not joined (yet, or again after a restart)
+                continue
+            # A connection of its own: reports wait for their round, and must
+            # not take the slots the session's heartbeats need.
+            try:
+                with trio.fail_after(max(0.1, deadline - trio.current_time())):
+                    async with await self.transport.connect(self.controller_address) as peer:
+                        reply = await peer.control(body, timeout=max(0.1, deadline - trio.current_time()))
+            except (PeerBroken, PeerClosed, AuthFailed, trio.TooSlowError) as exc:
+                log.info("report of %s: %s; reporting again", request.path, exc or "timed out")
+                await trio.sleep(0.05)
+                continue
+            except RemoteError as exc:
+                reply = {"error": str(exc)}
+            if reply.get("error"):
+                self.stats["rounds_failed"] += 1
+                log.warning("no round plan for %s: %s; placing it alone", request.path, reply["error"])
+                return None
+            self.stats["rounds"] += 1
+            self.stats["last_plan"] = {k: reply.get(k) for k in (
+                "round", "files", "lp_bound_s", "makespan_s", "plan_s", "cached", "unique_bytes", "total_bytes", "durable_bytes")}
+            return reply
+        self.stats["rounds_failed"] += 1
+        log.warning("no round plan for %s within %.0f s (controller unreachable); placing it alone",
+                    request.path, CLUSTER_REPORT_TIMEOUT_S)
+        return None
+
+    def _candidates(self, ino: int, avoid: set[str]) -> list[str]:
+        """Live nodes in rendezvous order for ``ino`` (a stable, spread choice)."""
+        names = [n for n in self.members if n not in avoid and n not in self.dead and n != self.node]
+        return sorted(names, key=lambda n: blake3.blake3(f"{ino}/{n}".encode()).digest())
+
+    async def _replicate(self, ino: int, keys: list[bytes], copies: int, *, avoid: set[str] | None = None) -> list[str]:
+        """Put ``keys`` on ``copies`` more nodes; returns the holders (this node first)."""
+        holders = [self.node]
+        wanted = [k for k in dict.fromkeys(keys) if k != chunk.HOLE]
+        if copies <= 0 or not wanted:
+            return holders
+        for name in self._candidates(ino, (avoid or set()) | {self.node}):
+            if len(holders) > copies:
+                break
+            failed = []
+            await self._put_all(ino, name, wanted, failed)
+            if not failed:
+                holders.append(name)
+        if len(holders) <= copies:
+            log.warning("inode %d: only %d of %d replicas placed (too few live nodes answer)", ino, len(holders), copies + 1)
+        return holders
+
+    async def _put_all(self, ino: int, dst: str, keys: list[bytes], failed: list) -> None:
+        """Put ``keys`` on ``dst`` and have it hold them for ``ino``; on failure append (dst, keys)."""
+        limiter = trio.Semaphore(PUTS_IN_FLIGHT_PER_PEER)
+        errors = []
+
+        async def put(peer, key: bytes) -> None:
+            try:
+                async with self.pool.lease(key, self._missing(key)) as view:
+                    if not await peer.put_chunk(key, view):
+                        errors.append(f"refused chunk {key.hex()[:16]}…")
+                        return
+                self.stats["chunks_replicated"] += 1
+                self.stats["bytes_replicated"] += len(view)
+            except (*_PEER_ERRORS, AiturboError) as exc:
+                errors.append(str(exc))
+            finally:
+                limiter.release()
+
+        try:
+            peer = await self._peer(dst)
+            async with trio.open_nursery() as nursery:
+                for key in keys:
+                    await limiter.acquire()
+                    nursery.start_soon(put, peer, key)
+            if not errors:
+                await peer.control({"op": "hold", "ino": ino, "keys": [k.hex() for k in keys]})
+        except (*_PEER_ERRORS, AiturboError) as exc:
+            errors.append(str(exc))
+        if errors:
+            log.warning("replicas of inode %d on %r failed: %s", ino, dst, errors[0])
+            failed.append((dst, keys))
+
+    @staticmethod
+    def _missing(key: bytes):
+        async def fetch() -> bytes:
+            raise NotFound(f"chunk {key.hex()[:16]}… is not in this node's pool")
+        return fetch
+
+    def status(self) -> dict:
+        return {
+            "node": self.node, "fabric": self.address, "transport": self.transport.kind,
+            "controller": self.controller_address, "controller_connected": self._controller is not None,
+            "replicas": self.replicas, "members": sorted(self.members), "dead": sorted(self.dead),
+            "replica_files_held": len(self._holds), **self.stats,
+            "fabric_counters": {n: vars(c) for n, c in self.transport.counters().items()},
+        }
+
