@@ -198,6 +198,12 @@ class ClusterNode:
         return True
 
     async def control(self, peer: PeerInfo, body: dict) -> dict:
+        try:
+            return await self._control(peer, body)
+        except (KeyError, TypeError, ValueError) as exc:  # a malformed request: refuse it, keep serving
+            raise InvalidArgument(f"malformed {body.get('op')!r} request from {peer.node!r}: {exc!r}") from None
+
+    async def _control(self, peer: PeerInfo, body: dict) -> dict:
         op = body.get("op")
         if op == "hold":
             self._hold(int(body["ino"]), [_key(k) for k in body.get("keys", [])])
