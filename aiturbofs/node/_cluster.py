@@ -89,9 +89,11 @@ class ClusterNode:
             if host in ("0.0.0.0", "::", ""):  # listening everywhere: advertise the host's address
                 host = socket.gethostbyname(socket.gethostname())
             self.address = format_address(host, port)
-            # Registered here too, so that peers find this node at once (and
-            # daemons sharing SQLite metadata on one host work without a controller).
-            await self.meta.upsert_node(self.node, self.address, self.bandwidths, time.time_ns())
+            if not self.controller_address:
+                # No controller to admit us (daemons sharing metadata on one
+                # host): register ourselves.  With a controller, only a node
+                # that proved the cluster secret to it becomes a member.
+                await self.meta.upsert_node(self.node, self.address, self.bandwidths, time.time_ns())
             await self._refresh_members()
             log.info("fabric (%s) serving at %s as node %r; replicas=%d; controller %s",
                      self.transport.kind, self.address, self.node, self.replicas, self.controller_address or "embedded")

@@ -1,0 +1,551 @@
+"""Cluster mode end to end: a controller and three node daemons on one host.
+
+Real processes (``aiturbo controller``, ``mount.aiturbo`` x 3) over a private
+PostgreSQL (shared metadata) and a moto S3 server on loopback, fabric over
+loopback TCP (``tests/cluster.py``).  What is checked is the contract of
+DESIGN.md for a cluster: close-to-open across nodes before and after
+durability; dedup of data-parallel replicas (the backend receives unique
+bytes only, counted both by the daemons and by a byte-counting proxy in front
+of S3); a rank-0 writer's persist spread over several nodes by the plan; a
+node killed -9 after close() loses nothing (replicas=2); a controller killed
+mid-round does not hang close(); a node with the wrong secret gets nothing;
+a chunk corrupted on the wire is rejected and fetched again elsewhere.
+
+Where the backend must not make a file durable yet (to prove a read was
+served from the cluster's DRAM, or that a takeover really happened), moto is
+frozen with SIGSTOP for a moment; those clusters run with a long import TTL
+and list the root once before, so no lookup waits on a frozen S3 listing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+from contextlib import contextmanager
+
+import pgserver
+import pytest
+from cluster import (
+    CHUNK,
+    FRAME_CHUNK,
+    FRAME_PUT_CHUNK,
+    Cluster,
+    FrameTamperer,
+    MiB,
+    write_secret,
+)
+from mounting import state, wait_state
+from pgserver import pg_server  # noqa: F401  (a fixture)
+from s3server import s3_server  # noqa: F401  (a fixture)
+
+pytestmark = pytest.mark.skipif(not pgserver.installed(), reason=pgserver.SKIP_REASON)
+
+DURABLE_WAIT_S = 60.0
+GROUP = "user.aiturbo.group"
+GROUP_SIZE = "user.aiturbo.group.size"
+NO_REIMPORT = {"import_ttl": "3600"}  # clusters that see a frozen S3 (module doc)
+
+
+# ============================================================== fixtures
+
+
+@pytest.fixture
+def make_cluster(pg_server, s3_server, tmp_path, request):  # noqa: F811
+    """Factory: make_cluster(**Cluster kwargs) -> started Cluster; all torn down after the test.
+
+    When the test failed, the tails of every daemon's log are printed (they
+    show up under "Captured stdout teardown"); the full logs stay in tmp_path.
+    """
+    clusters: list[Cluster] = []
+    failed_before = request.session.testsfailed
+
+    def factory(**kwargs) -> Cluster:
+        c = Cluster(str(tmp_path / f"c{len(clusters)}"), pg=pg_server, s3=s3_server, **kwargs)
+        clusters.append(c)
+        return c.start()
+
+    yield factory
+    for c in clusters:
+        if request.session.testsfailed > failed_before:
+            print(f"\n----- logs of the cluster in {c.root}\n{c.logs()}")
+        c.close()
+        if c.teardown_notes:
+            print(f"teardown of {c.root}: {c.teardown_notes}")
+
+
+# ============================================================== helpers
+
+
+def put(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def get(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def distinct_chunk_bytes(blobs) -> int:
+    """Bytes in distinct chunks (by content) over all ``blobs``: what dedup leaves to upload."""
+    seen = {}
+    for data in blobs:
+        for off in range(0, len(data), CHUNK):
+            piece = data[off: off + CHUNK]
+            seen[hashlib.sha256(piece).digest()] = len(piece)
+    return sum(seen.values())
+
+
+class Timed(threading.Thread):
+    """Run ``fn(*args)`` in a thread; ``.result``/``.error`` and ``.elapsed_s`` when done."""
+
+    def __init__(self, fn, *args):
+        super().__init__(daemon=True)
+        self.fn, self.args = fn, args
+        self.result = self.error = None
+        self.started_at = self.ended_at = None
+
+    def run(self):
+        self.started_at = time.monotonic()
+        try:
+            self.result = self.fn(*self.args)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            self.error = exc
+        finally:
+            self.ended_at = time.monotonic()
+
+    @property
+    def elapsed_s(self) -> float:
+        return (self.ended_at or time.monotonic()) - self.started_at
+
+    def outcome(self, timeout_s: float):
+        """Join; the result, or raise what the thread raised / AssertionError on timeout."""
+        self.join(timeout_s)
+        if self.is_alive():
+            raise AssertionError(f"{self.fn.__name__}{self.args[:1]} still running after {timeout_s} s")
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def within(timeout_s: float, fn, *args):
+    t = Timed(fn, *args)
+    t.start()
+    return t.outcome(timeout_s)
+
+
+@contextmanager
+def frozen_s3(c: Cluster):
+    """moto stopped with SIGSTOP (requests hang, nothing is lost), thawed on exit whatever happens."""
+    pid = c.s3._proc.pid
+    os.killpg(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(pid, signal.SIGCONT)
+
+
+def prime_listings(c: Cluster) -> None:
+    """Import the root on every node now, so later lookups need no S3 listing (NO_REIMPORT)."""
+    for i in c.live():
+        os.listdir(c.path(i))
+
+
+def wait_durable(c: Cluster, i: int, names, timeout_s: float = DURABLE_WAIT_S) -> float:
+    """Wait until every file is durable as node ``i`` sees it; seconds taken."""
+    start = time.monotonic()
+    for name in names:
+        left = max(0.1, timeout_s - (time.monotonic() - start))
+        got = wait_state(c.path(i, name), "durable", left)
+        assert got == "durable", f"{name} is {got!r} on {c.name(i)} after {timeout_s} s\n{c.logs()}"
+    return time.monotonic() - start
+
+
+def group_dir(c: Cluster, i: int, name: str, job: str, size: int | None) -> str:
+    path = c.path(i, name)
+    os.mkdir(path)
+    os.setxattr(path, GROUP, job.encode())
+    if size is not None:
+        os.setxattr(path, GROUP_SIZE, str(size).encode())
+    return path
+
+
+def assert_clean(c: Cluster) -> None:
+    """No daemon logged a BUG, and no fabric frame arrived corrupt (normal runs)."""
+    for i in c.live():
+        log = c.nodes[i].log()
+        assert "BUG" not in log, f"{c.name(i)} logged a BUG:\n{log[-4000:]}"
+        counters = c.status(i)["cluster"]["fabric_counters"]
+        corrupt = {peer: v["corrupt_frames"] for peer, v in counters.items() if v["corrupt_frames"]}
+        assert not corrupt, f"{c.name(i)}: corrupt frames from {corrupt}"
+    assert "BUG" not in c.controller.log(), c.controller.log()
+
+
+def assert_bucket_has(c: Cluster, files: dict[str, bytes]) -> None:
+    sizes = c.objects()
+    for name, data in files.items():
+        assert sizes.get(name) == len(data), f"{name}: bucket has {sizes.get(name)} bytes, want {len(data)}"
+        assert sha(c.get_object(name)) == sha(data), f"{name}: bucket bytes differ"
+
+
+# ============================================================== (a) close-to-open
+
+
+def test_close_to_open_before_and_after_durable(make_cluster):
+    c = make_cluster(node_options=NO_REIMPORT)
+    prime_listings(c)
+    data = os.urandom(3 * CHUNK + 4321)
+    name = "ckpt.bin"
+    with frozen_s3(c):  # nothing can become durable: what nodes 1 and 2 read comes from cluster DRAM
+        start = time.monotonic()
+        within(30, put, c.path(0, name), data)
+        close_s = time.monotonic() - start
+        for i in (1, 2):
+            path = c.path(i, name)
+            assert os.stat(path).st_size == len(data), c.name(i)
+            assert state(path) in ("staged", "persisting"), c.name(i)
+            got = within(30, get, path)
+            assert len(got) == len(data) and sha(got) == sha(data), f"{c.name(i)} read other bytes before durable"
+        fetched = {c.name(i): c.status(i)["cluster"]["chunks_fetched"] for i in (1, 2)}
+        held = {c.name(i): c.status(i)["cluster"]["replica_files_held"] for i in (1, 2)}
+    # replicas=2: one of nodes 1 and 2 holds a replica, the other fetched every chunk from a peer
+    assert sum(fetched.values()) >= 4, f"chunks fetched from peers: {fetched}; replicas held: {held}"
+    durable_s = wait_durable(c, 0, [name])
+    for i in (1, 2):
+        assert wait_state(c.path(i, name), "durable", 10) == "durable", c.name(i)
+    for i in range(3):
+        assert os.stat(c.path(i, name)).st_size == len(data)
+        assert sha(get(c.path(i, name))) == sha(data), f"{c.name(i)} read other bytes after durable"
+    assert_bucket_has(c, {name: data})
+    assert c.status_of(c.nodes[0], cli=True)["cluster"]["node"] == "n0"  # the real `aiturbo status --json`
+    assert_clean(c)
+    print(f"\n[a] close() {close_s:.2f} s for {len(data) >> 20} MiB; fetched from peers {fetched}, "
+          f"replicas held {held}; durable {durable_s:.2f} s after S3 thawed")
+
+
+# ============================================================== (b) DP replicas, dedup
+
+
+def test_dp_replicas_upload_unique_bytes_once(make_cluster):
+    c = make_cluster()
+    group_dir(c, 0, "ckpt", "job-dp", 3)
+    os.mkdir(c.path(0, "ckpt", "step1"))
+    os.mkdir(c.path(0, "ckpt", "step2"))
+    same = os.urandom(40 * MiB)
+    head = os.urandom(20 * MiB)
+    files = {f"ckpt/step1/rank{i}.bin": same for i in range(3)}
+    files.update({f"ckpt/step2/rank{i}.bin": head + os.urandom(20 * MiB) for i in range(3)})
+    barrier = threading.Barrier(3)
+    closes = {}
+
+    def rank(i: int) -> None:
+        for step in ("step1", "step2"):
+            barrier.wait(30)
+            name = f"ckpt/{step}/rank{i}.bin"
+            start = time.monotonic()
+            put(c.path(i, name), files[name])
+            closes[name] = time.monotonic() - start
+
+    writers = [Timed(rank, i) for i in range(3)]
+    start = time.monotonic()
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.outcome(90)
+    write_s = time.monotonic() - start
+    durable_s = wait_durable(c, 0, files)
+    total = sum(len(d) for d in files.values())
+    unique = distinct_chunk_bytes(files.values())
+    s3_bytes = c.s3_received_bytes()
+    st = c.statuses()
+    uploaded = {c.name(i): s["persist"]["bytes_uploaded"] for i, s in st.items()}
+    copied = {c.name(i): s["persist"]["bytes_copied"] for i, s in st.items()}
+    sent = sum(uploaded.values())
+    plans = {c.name(i): s["cluster"]["last_plan"] for i, s in st.items()}
+    print(f"\n[b] {len(files)} files, {total >> 20} MiB written, {unique >> 20} MiB in distinct chunks; "
+          f"writes+closes {write_s:.2f} s (close() each: {', '.join(f'{v:.2f}' for v in closes.values())} s), "
+          f"durable {durable_s:.2f} s later")
+    print(f"[b] bytes_uploaded per node {uploaded} = {sent / MiB:.1f} MiB; bytes_copied {copied}; "
+          f"S3 received {s3_bytes / MiB:.1f} MiB through the proxy; dedup ratio {total / max(sent, 1):.2f}x "
+          f"(ideal {total / unique:.2f}x)")
+    print(f"[b] last plans: {plans}")
+    for i in range(3):
+        for name, data in files.items():
+            assert sha(get(c.path(i, name))) == sha(data), f"{name} differs on {c.name(i)}"
+    assert_bucket_has(c, files)
+    assert abs(sent - unique) <= 0.10 * unique, (
+        f"nodes sent {sent} bytes to the backend; unique bytes are {unique} (total {total}): {uploaded}")
+    assert unique <= s3_bytes <= 1.10 * unique, (
+        f"the S3 server received {s3_bytes} bytes; unique bytes are {unique} (total {total})")
+    assert_clean(c)
+
+
+# ============================================================== (c) rank-0 writer
+
+
+def test_rank0_writer_persist_is_spread_by_the_plan(make_cluster):
+    c = make_cluster()
+    group_dir(c, 0, "r0", "job-r0", 1)
+    data = os.urandom(64 * MiB)
+    name = "r0/model.bin"
+    start = time.monotonic()
+    put(c.path(0, name), data)
+    close_s = time.monotonic() - start
+    persist_s = wait_durable(c, 0, [name])
+    st = c.statuses()
+    uploaded = {c.name(i): s["persist"]["bytes_uploaded"] for i, s in st.items()}
+    for_peers = {c.name(i): s["persist"]["bytes_uploaded_for_peers"] for i, s in st.items()}
+    plan = st[0]["cluster"]["last_plan"]
+    print(f"\n[c] close() {close_s:.2f} s; durable {persist_s:.2f} s after close (measured persist time)")
+    print(f"[c] bytes_uploaded per node {uploaded} (for peers {for_peers}); S3 received "
+          f"{c.s3_received_bytes() / MiB:.1f} MiB")
+    print(f"[c] last_plan on n0: {plan}")
+    if plan:
+        print(f"[c] plan: lp_bound_s={plan.get('lp_bound_s')} makespan_s={plan.get('makespan_s')} "
+              f"plan_s={plan.get('plan_s')} vs measured persist {persist_s:.2f} s")
+    assert plan is not None, f"n0 got no round plan for a grouped file: {st[0]['cluster']}\n{c.logs()}"
+    assert sha(c.get_object(name)) == sha(data), "bucket object differs"
+    spread = [n for n, b in uploaded.items() if b > 0]
+    assert len(spread) >= 2, f"only {spread} uploaded; the plan did not spread the persist: {uploaded}"
+    assert len(data) <= sum(uploaded.values()) <= 1.10 * len(data), f"uploaded {uploaded} for {len(data)} bytes"
+    assert_clean(c)
+
+
+# ============================================================== (d) kill -9 after close()
+
+
+def test_kill9_after_close_survivors_persist(make_cluster):
+    c = make_cluster(node_options=NO_REIMPORT)
+    prime_listings(c)
+    files = {"a.bin": os.urandom(2 * CHUNK), "b.bin": os.urandom(CHUNK + 1), "c.txt": os.urandom(100_000)}
+    with frozen_s3(c):  # node 1 cannot persist anything before it dies
+        for name, data in files.items():
+            within(30, put, c.path(1, name), data)
+        c.kill_node(1)
+    killed_at = time.monotonic()
+    durable_s = wait_durable(c, 0, files)
+    for name, data in files.items():
+        assert sha(get(c.path(0, name))) == sha(data), f"{name} differs on n0"
+        assert os.stat(c.path(2, name)).st_size == len(data)
+    assert_bucket_has(c, files)
+    st = c.statuses()
+    for i, s in st.items():
+        assert "n1" in s["cluster"]["dead"], f"{c.name(i)} does not list n1 as dead: {s['cluster']['dead']}"
+    uploaded = {c.name(i): s["persist"]["bytes_uploaded"] for i, s in st.items()}
+    assert sum(uploaded.values()) >= sum(len(d) for d in files.values()), uploaded
+    takeovers = [line for i in c.live() for line in c.nodes[i].log().splitlines() if "is dead: persisting" in line]
+    print(f"\n[d] all {len(files)} files durable {durable_s:.2f} s after kill -9 of n1 "
+          f"({time.monotonic() - killed_at:.2f} s incl. checks); uploads by survivors {uploaded}")
+    for line in takeovers:
+        print(f"[d]   {line}")
+    assert_clean(c)
+
+
+# ============================================================== (e) controller killed mid-round
+
+
+def test_controller_killed_mid_round(make_cluster):
+    c = make_cluster()
+    group_dir(c, 0, "grp", "job-e", 3)
+    data = os.urandom(2 * CHUNK)
+    name = "grp/only.bin"
+    closing = threading.Event()
+    before = c.status(0)["cluster"]
+
+    def write_then_close() -> float:
+        with open(c.path(0, name), "wb") as f:
+            f.write(data)
+            closing.set()
+            start = time.monotonic()
+        # close() reported to the controller and waited for a round of 3 that never fills
+        return time.monotonic() - start
+
+    t = Timed(write_then_close)
+    t.start()
+    assert closing.wait(30), "write did not finish"
+    time.sleep(1.0)
+    assert t.is_alive(), f"close() returned before the round could close (in {t.elapsed_s:.2f} s)"
+    c.kill_controller()
+    killed_at = time.monotonic()
+    close_s = t.outcome(30)
+    after_kill_s = time.monotonic() - killed_at
+    assert close_s < 30, close_s
+    durable_s = wait_durable(c, 0, [name])
+    assert sha(get(c.path(1, name))) == sha(data)
+    assert sha(c.get_object(name)) == sha(data)
+    mid = c.status(0)["cluster"]
+    print(f"\n[e] close() returned {close_s:.2f} s after it started ({after_kill_s:.2f} s after the controller died); "
+          f"durable {durable_s:.2f} s later; rounds {before['rounds']}->{mid['rounds']}, "
+          f"rounds_failed {before['rounds_failed']}->{mid['rounds_failed']}")
+
+    restart = time.monotonic()
+    c.restart_controller()
+    c.wait_joined()
+    rejoin_s = time.monotonic() - restart
+    for i in range(3):
+        assert c.status(i)["cluster"]["controller_connected"] is True, c.name(i)
+
+    group_dir(c, 0, "grp2", "job-e2", 3)
+    files = {f"grp2/rank{i}.bin": os.urandom(CHUNK + 17 * i) for i in range(3)}
+    rounds_before = {i: c.status(i)["cluster"] for i in range(3)}
+    writers = [Timed(put, c.path(i, f"grp2/rank{i}.bin"), files[f"grp2/rank{i}.bin"]) for i in range(3)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.outcome(30)
+    closes = [round(w.elapsed_s, 2) for w in writers]
+    wait_durable(c, 0, files)
+    for i in range(3):
+        now = c.status(i)["cluster"]
+        assert now["rounds"] == rounds_before[i]["rounds"] + 1, f"{c.name(i)}: {rounds_before[i]['rounds']} -> {now['rounds']}"
+        assert now["rounds_failed"] == rounds_before[i]["rounds_failed"], c.name(i)
+        assert now["last_plan"] and now["last_plan"].get("files") == 3, now["last_plan"]
+        for name, d in files.items():
+            assert sha(get(c.path(i, name))) == sha(d)
+    assert_bucket_has(c, files)
+    print(f"[e] controller restarted, all nodes re-joined in {rejoin_s:.2f} s; a 3-writer round closed in {closes} s")
+    assert_clean(c)
+
+
+# ============================================================== (f) wrong secret, garbage
+
+
+def test_wrong_secret_cannot_join_or_read(make_cluster):
+    c = make_cluster(node_options=NO_REIMPORT)
+    other = write_secret(os.path.join(c.root, "other-secret"))
+    intruder = c.add_node("n3", secret_path=other)  # it mounts: it cannot know the secret is wrong before it connects
+    prime_listings(c)
+    os.listdir(intruder.mountpoint)
+    deadline = time.monotonic() + 10
+    while "authentication failed" not in intruder.log() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ilog = intruder.log()
+    assert "authentication failed" in ilog or "failed to prove" in ilog, ilog[-4000:]
+    ist = c.status_of(intruder)["cluster"]
+    assert ist["controller_connected"] is False, ist
+    assert "rejected a connection" in c.controller.log(), c.controller.log()
+
+    data = os.urandom(2 * CHUNK)
+    with frozen_s3(c):  # the bytes exist only in n0's (and one replica's) DRAM
+        put(c.path(0, "secret.bin"), data)
+        reader = Timed(get, os.path.join(intruder.mountpoint, "secret.bin"))
+        reader.start()
+        reader.join(8)
+        outcome = "still waiting" if reader.is_alive() else (f"error {reader.error!r}" if reader.error else "data")
+        assert reader.is_alive() or reader.error is not None, (
+            "a node with the wrong secret read a file that existed only in the cluster's DRAM")
+        ist = c.status_of(intruder)["cluster"]
+        assert ist["chunks_fetched"] == 0, ist
+        for peer, counters in ist["fabric_counters"].items():
+            assert counters["chunks_received"] == 0, (peer, counters)
+        for i in range(3):
+            sent = c.status(i)["cluster"]["fabric_counters"].get("n3", {}).get("chunks_sent", 0)
+            assert sent == 0, f"{c.name(i)} sent {sent} chunks to n3"
+    reader.join(30)
+    if not reader.is_alive() and reader.error is None:
+        assert sha(reader.result) == sha(data), "n3 read other bytes"
+    print(f"\n[f] n3 (other secret): not joined; its read of a file only in cluster DRAM (S3 frozen): {outcome} "
+          f"after {reader.elapsed_s:.2f} s")
+    fabric = c.nodes[0].options["fabric"]
+    host, _, port = fabric.rpartition(":")
+    probes = {
+        "http": b"GET / HTTP/1.0\r\n\r\n",
+        "random": os.urandom(4096),
+        "huge frame": struct.pack(">4sBBHQI", b"ATFB", 1, 0x01, 0, 0, 0xFFFFFFFF) + os.urandom(64),
+    }
+    for what, payload in probes.items():
+        with socket.create_connection((host, int(port)), timeout=15) as s:
+            start = time.monotonic()
+            s.sendall(payload)
+            try:
+                while s.recv(65536):
+                    pass
+                ended = "closed"
+            except (ConnectionResetError, BrokenPipeError):
+                ended = "reset"
+            except TimeoutError:
+                ended = "still open after 15 s"
+            print(f"[f] garbage ({what}) to n0's fabric port: {ended} after {time.monotonic() - start:.2f} s")
+            assert ended in ("closed", "reset"), what
+    assert c.nodes[0].proc.poll() is None, c.nodes[0].log()
+    more = os.urandom(CHUNK + 5)
+    put(c.path(1, "after.bin"), more)
+    for i in range(3):
+        assert sha(get(c.path(i, "after.bin"))) == sha(more), c.name(i)
+    wait_durable(c, 0, ["after.bin", "secret.bin"])
+    assert sha(get(c.path(0, "secret.bin"))) == sha(data)
+    # Not part of the contract checked here: what n3 gets once the file is in the backend.
+    try:
+        late = "correct bytes" if sha(get(os.path.join(intruder.mountpoint, "secret.bin"))) == sha(data) else "OTHER BYTES"
+    except OSError as exc:
+        late = repr(exc)
+    assert late != "OTHER BYTES"
+    print(f"[f] n3 reading the same file once durable (from S3): {late}")
+    assert_clean(c)
+    # Last, so that a failure here does not hide the checks above: the others
+    # must not count a node that failed authentication as a member (a replica
+    # target, a holder to fetch from).
+    members = {c.name(i): c.status(i)["cluster"]["members"] for i in range(3)}
+    assert not [n for n, m in members.items() if "n3" in m], f"n3 (wrong secret) is a member on: {members}"
+
+
+# ============================================================== (g) corrupt chunk frame
+
+
+def test_corrupt_chunk_frames_are_rejected_and_refetched(make_cluster, pg_server):  # noqa: F811
+    """A relay that flips one byte in one CHUNK and one PUT_CHUNK frame sits in front of n0.
+
+    Peers find n0 at the fabric address the shared metadata records for it;
+    the test points that row at the relay (n0 itself still listens where it
+    did, and nothing re-writes the row until n0 joins again).
+    """
+    c = make_cluster(node_options=NO_REIMPORT)
+    prime_listings(c)
+    tamper = FrameTamperer(c.nodes[0].options["fabric"])
+    try:
+        with pg_server.connect(c.meta_url.rpartition("/")[2]) as conn:
+            changed = conn.execute("UPDATE nodes SET address = %s WHERE name = 'n0'", (tamper.address,)).rowcount
+        assert changed == 1
+        time.sleep(2.5)  # members are re-read from the metadata every second
+
+        data = os.urandom(2 * CHUNK)
+        with frozen_s3(c):
+            put(c.path(0, "get.bin"), data)  # replica on n1 or n2 (n0 connects out directly)
+            held = {i: c.status(i)["cluster"]["replica_files_held"] for i in (1, 2)}
+            readers = [i for i in (1, 2) if not held[i]]
+            assert len(readers) == 1, f"replicas held: {held}"
+            r = readers[0]
+            got = within(30, get, c.path(r, "get.bin"))
+            assert sha(got) == sha(data), f"{c.name(r)} read other bytes"
+            assert (FRAME_CHUNK, CHUNK + 32) in tamper.flipped, (tamper.flipped, tamper.connections)
+            cnt = c.status(r)["cluster"]["fabric_counters"]["n0"]
+            assert cnt["corrupt_frames"] == 1, cnt
+
+            puts = {}
+            for k in range(12):  # n1 places each file's replica by rendezvous hashing: soon one goes to n0
+                name = f"put{k}.bin"
+                puts[name] = os.urandom(CHUNK)
+                put(c.path(1, name), puts[name])
+                if any(t == FRAME_PUT_CHUNK for t, _ in tamper.flipped):
+                    break
+            assert any(t == FRAME_PUT_CHUNK for t, _ in tamper.flipped), f"no replica of {len(puts)} files went to n0: {tamper.flipped}"
+            cnt = c.status(0)["cluster"]["fabric_counters"]["n1"]
+            assert cnt["corrupt_frames"] == 1, cnt
+            for i in (0, 2):
+                for name, d in puts.items():
+                    assert sha(within(30, get, c.path(i, name))) == sha(d), f"{name} on {c.name(i)}"
+        wait_durable(c, 0, ["get.bin", *puts])
+        assert_bucket_has(c, {"get.bin": data, **puts})
+        print(f"\n[g] flipped {tamper.flipped} through {tamper.connections} relayed connection(s); "
+              f"reader {c.name(r)} re-fetched the chunk from the replica; {len(puts)} put file(s) intact")
+    finally:
+        tamper.close()
