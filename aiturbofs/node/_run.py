@@ -184,13 +184,15 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
         await fs.start(nursery)
         nursery.start_soon(pool.run_spiller)
         nursery.start_soon(pool.run_warmer)
+        # The control socket is up before the mount appears: whoever sees the
+        # mount (a test, a health check) can ask the daemon at once.
+        dispatch = _Dispatcher(cfg, fs, pool, controller, ops, started, cluster)
+        await nursery.start(_control.serve, control_socket(cfg.mountpoint), dispatch)
         try:
             pyfuse3.init(ops, cfg.mountpoint, _fuse_options(cfg))
         except RuntimeError as exc:
             raise ConfigError(f"FUSE mount of {cfg.mountpoint} failed: {exc}") from None
         nursery.start_soon(_set_read_ahead_after_init, cfg.mountpoint)
-        dispatch = _Dispatcher(cfg, fs, pool, controller, ops, started, cluster)
-        await nursery.start(_control.serve, control_socket(cfg.mountpoint), dispatch)
         nursery.start_soon(_watch_signals)
         log.info("mounted %s at %s (pool %d MiB, spill %s, state %s)", cfg.backend, cfg.mountpoint,
                  cfg.dram_bytes >> 20, spill.directory, state_dir)
