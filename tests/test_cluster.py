@@ -19,6 +19,7 @@ and list the root once before, so no lookup waits on a frozen S3 listing.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import signal
@@ -348,6 +349,28 @@ def test_kill9_after_close_survivors_persist(make_cluster):
     for line in takeovers:
         print(f"[d]   {line}")
     assert_clean(c)
+
+
+def test_last_replica_lost_before_durable_is_broken(make_cluster):
+    """Both holders die before the file is durable: it is broken (EIO), never other bytes."""
+    c = make_cluster(node_options=NO_REIMPORT)
+    prime_listings(c)
+    data = os.urandom(CHUNK + 12345)
+    with frozen_s3(c):
+        within(30, put, c.path(1, "lost.bin"), data)
+        held = {i: c.status(i)["cluster"]["replica_files_held"] for i in (0, 2)}
+        holder = max(held, key=held.get)
+        assert held[holder] == 1 and sum(held.values()) == 1, f"replica holders of lost.bin: {held}"
+        survivor = 2 if holder == 0 else 0
+        c.kill_node(1)
+        c.kill_node(holder)
+    got = wait_state(c.path(survivor, "lost.bin"), "broken", DURABLE_WAIT_S)
+    assert got == "broken", f"lost.bin is {got!r} on {c.name(survivor)}\n{c.logs()}"
+    with pytest.raises(OSError) as err:
+        get(c.path(survivor, "lost.bin"))
+    assert err.value.errno == errno.EIO
+    assert "died before it was durable" in c.nodes[survivor].log()
+    assert "lost.bin" not in c.objects()
 
 
 # ============================================================== (e) controller killed mid-round
