@@ -54,6 +54,7 @@ class FileReport:
     lengths: list[int]
     replicas: int
     group_size: int | None
+    have: frozenset[int] = frozenset()  # reads: chunk indices already in the reporting node's DRAM
 
 
 def parse_report(node: str, body: dict) -> tuple[str, FileReport]:
@@ -82,7 +83,10 @@ def parse_report(node: str, body: dict) -> tuple[str, FileReport]:
         if len(key) != HASH_BYTES or not _int_in(length, 1, CHUNK_BYTES):
             raise InvalidArgument(f"report: chunk {i} of {f.get('path')!r}: want a 64-hex hash, 1..{CHUNK_BYTES} bytes")
         keys.append(None if key == chunk.HOLE else key)  # a hole: nothing to store
-    return group, FileReport(node, f["ino"], f.get("path", ""), keys, lengths, replicas, size)
+    have = f.get("have", [])
+    if not isinstance(have, list) or not all(_int_in(i, 0, len(keys) - 1) for i in have):
+        raise InvalidArgument("report: file.have must be a list of chunk indices")
+    return group, FileReport(node, f["ino"], f.get("path", ""), keys, lengths, replicas, size, frozenset(have))
 
 
 def _int_in(v, lo: int, hi: int | None) -> bool:

@@ -35,6 +35,7 @@ from ..meta import NODE_DEAD as DEAD
 from ..meta import NODE_LEFT as LEFT
 from ..meta import open_meta
 from ..planner import NodeSpec, Planner
+from ._reads import ReadRoundKeeper
 from ._rounds import RoundKeeper
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class ControllerServer:
         self.members: dict[str, NodeSpec] = {}  # alive and joined: what rounds are planned over
         self.rounds = RoundKeeper(meta, self.members, backend_bw=backend_bw, planner=planner,
                                   window_s=window_s, wait_max_s=wait_max_s)
+        self.reads = ReadRoundKeeper(meta, self.members, backend_bw=backend_bw, planner=planner,
+                                  window_s=window_s, wait_max_s=wait_max_s)
 
     async def run(self, transport, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Load the membership, serve on ``transport``; ``task_status.started(address)``; runs until cancelled."""
@@ -100,7 +103,7 @@ class ControllerServer:
         op = body.get("op")
         if op == "status":
             return self.status()
-        if op not in ("join", "heartbeat", "report", "leave"):
+        if op not in ("join", "heartbeat", "report", "read_report", "leave"):
             raise InvalidArgument(f"unknown controller op {op!r}")
         if body.get("node") != peer.node:
             log.warning("%s from %s at %s claims to be node %r: refused", op, peer.node, peer.address, body.get("node"))
@@ -139,6 +142,11 @@ class ControllerServer:
             return {"error": "not joined"}
         return await self.rounds.report(name, body)
 
+    async def _read_report(self, name: str, body: dict) -> dict:
+        if name not in self.members:
+            return {"error": "not joined"}
+        return await self.reads.report(name, body)
+
     async def _leave(self, name: str, body: dict) -> dict:
         if name in self.nodes and self.nodes[name].state == ALIVE:
             await self._retire(name, LEFT, "left the cluster")
@@ -147,7 +155,7 @@ class ControllerServer:
     def status(self) -> dict:
         now = trio.current_time()
         nodes = [{**n.listing(), **n.info, "seen_s_ago": round(now - n.seen_s, 3)} for n in self.nodes.values()]
-        return {"nodes": nodes, "groups": self.rounds.stats()}
+        return {"nodes": nodes, "groups": self.rounds.stats(), "read_groups": self.reads.stats()}
 
     # ------------------------------------------------------------------ membership
     async def _load(self) -> None:
@@ -174,6 +182,7 @@ class ControllerServer:
         self.nodes[name].state = state
         self.members.pop(name, None)
         self.rounds.drop_node(name)
+        self.reads.drop_node(name)
         log.warning("node %s is %s: %s", name, state, why)
         try:
             await self.meta.set_node_state(name, state)

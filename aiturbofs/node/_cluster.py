@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import socket
 import time
@@ -30,7 +31,13 @@ import trio
 from .. import chunk
 from .._errors import AiturboError, AuthFailed, InvalidArgument, NotFound, PeerBroken, PeerClosed, RemoteError
 from .._limits import (
+    CLUSTER_CHAIN_LINGER_S,
     CLUSTER_HOLD_PENDING_S,
+    CLUSTER_PREFETCH_IN_FLIGHT,
+    CLUSTER_READ_PLAN_WAIT_S,
+    CLUSTER_READ_WAIT_S,
+    CLUSTER_READ_ROUNDS_KEPT,
+    CLUSTER_UNREACHABLE_RETRY_S,
     CLUSTER_RECONNECT_S,
     CLUSTER_REPORT_TIMEOUT_S,
     CLUSTER_TAKEOVER_PERIOD_S,
@@ -39,7 +46,7 @@ from .._limits import (
 )
 from ..fabric import PeerInfo, Transport, format_address, parse_address
 from ..meta import NODE_ALIVE, NODE_DEAD, STATE_BROKEN, STATE_DURABLE
-from ..vfs import CopySource, PersistHints, Staged, StageRequest
+from ..vfs import CopySource, PersistHints, ReadRequest, Staged, StageRequest
 
 log = logging.getLogger("aiturbofs.cluster")
 
@@ -76,14 +83,23 @@ class ClusterNode:
         self._controller = None  # Peer, while the session is up
         self._holds: dict[int, set[bytes]] = {}  # inode -> replica chunks pinned here for it
         self._pending: dict[bytes, list[float]] = {}  # received chunks no hold claimed yet
+        # Grouped reads: rounds joined (ino, version), a reader waiting for a round's
+        # plan, and the chunks of planned rounds: key -> (ino, index, length, predecessor, successor)
+        self._read_rounds: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
+        self._read_planned: dict[int, trio.Event] = {}
+        self._chain: dict[bytes, tuple[int, int, int, str | None, str | None]] = {}
+        self._unreachable: dict[str, float] = {}  # peer -> when connecting to it last failed
+        self._nursery = None
         self.stats = {
             "rounds": 0, "rounds_failed": 0, "chunks_replicated": 0, "bytes_replicated": 0,
             "chunks_received": 0, "chunks_served": 0, "chunks_fetched": 0, "last_plan": None,
+            "read_rounds": 0, "chunks_from_chain": 0, "chunks_prefetched": 0, "last_read_plan": None,
         }
 
     # ============================================================ lifecycle
     async def run(self, listen: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             address = await nursery.start(self.transport.serve, self)
             host, port = parse_address(address)
             if host in ("0.0.0.0", "::", ""):  # listening everywhere: advertise the host's address
@@ -191,6 +207,16 @@ class ClusterNode:
         if key in self.pool.spill:
             self.stats["chunks_served"] += 1
             return await self.pool.spill.read(key)
+        entry = self._chain.get(key)
+        if entry is not None and self.fs is not None and entry[4] == peer.node:
+            # Our successor in a read chain: wait until we have it (fetching it if
+            # need be).  Only the successor waits: anyone else asking (a chain head
+            # looking in holders' DRAM) is told at once, or two nodes could wait
+            # on each other.
+            ino, index, length, _, _ = entry
+            view = await self.pool.read(key, lambda: self.fs.persister.fetch_chunk(ino, index, key, length))
+            self.stats["chunks_served"] += 1
+            return bytes(view)
         return None
 
     async def put_chunk(self, peer: PeerInfo, key: bytes, data: bytearray) -> bool:
@@ -240,6 +266,9 @@ class ClusterNode:
         peer = self._peers.get(name)
         if peer is not None and peer.state == "open":
             return peer
+        failed = self._unreachable.get(name)
+        if failed is not None and time.monotonic() - failed < CLUSTER_UNREACHABLE_RETRY_S:
+            raise PeerBroken(f"node {name!r} was unreachable {time.monotonic() - failed:.1f} s ago")
         lock = self._peer_locks.setdefault(name, trio.Lock())
         async with lock:
             peer = self._peers.get(name)
@@ -251,7 +280,12 @@ class ClusterNode:
                 address = self.members.get(name)
             if not address:
                 raise PeerBroken(f"node {name!r} is not a live member")
-            peer = self._peers[name] = await self.transport.connect(address)
+            try:
+                peer = self._peers[name] = await self.transport.connect(address)
+            except _PEER_ERRORS:
+                self._unreachable[name] = time.monotonic()  # readers go elsewhere meanwhile
+                raise
+            self._unreachable.pop(name, None)
             return peer
 
     async def fetch(self, key: bytes, holders: list[str]) -> bytes | None:
@@ -308,16 +342,29 @@ class ClusterNode:
         )
         return Staged(holders=holders, hints=hints)
 
-    async def _report(self, request: StageRequest, keys: list[bytes]) -> dict | None:
-        """The round plan for a grouped file, or None (then it is placed alone)."""
-        body = {
-            "op": "report", "node": self.node, "group": request.group, "group_size": request.group_size,
+    def _body(self, op: str, request, keys: list[bytes], **extra) -> dict:
+        return {
+            "op": op, "node": self.node, "group": request.group, "group_size": request.group_size,
             "replicas": self.replicas,
             "file": {"ino": request.ino, "path": request.path, "size": request.size,
                      "chunks": [k.hex() for k in keys],
-                     "lengths": [chunk.chunk_length(request.size, i) for i in range(len(keys))]},
+                     "lengths": [chunk.chunk_length(request.size, i) for i in range(len(keys))], **extra},
         }
-        deadline = trio.current_time() + CLUSTER_REPORT_TIMEOUT_S
+
+    async def _report(self, request: StageRequest, keys: list[bytes]) -> dict | None:
+        """The round plan for a grouped file, or None (then it is placed alone)."""
+        reply = await self._ask(self._body("report", request, keys), request.path, CLUSTER_REPORT_TIMEOUT_S)
+        if reply is None:
+            self.stats["rounds_failed"] += 1
+            return None
+        self.stats["rounds"] += 1
+        self.stats["last_plan"] = {k: reply.get(k) for k in (
+            "round", "files", "lp_bound_s", "makespan_s", "plan_s", "cached", "unique_bytes", "total_bytes", "durable_bytes")}
+        return reply
+
+    async def _ask(self, body: dict, path: str, timeout_s: float) -> dict | None:
+        """The controller's answer to a round report, or None (logged) if it has none in time."""
+        deadline = trio.current_time() + timeout_s
         while trio.current_time() < deadline:
             if self._controller is None:
                 await trio.sleep(0.05)  # not joined (yet, or again after a restart)
@@ -329,23 +376,100 @@ class ClusterNode:
                     async with await self.transport.connect(self.controller_address) as peer:
                         reply = await peer.control(body, timeout=max(0.1, deadline - trio.current_time()))
             except (PeerBroken, PeerClosed, AuthFailed, trio.TooSlowError) as exc:
-                log.info("report of %s: %s; reporting again", request.path, exc or "timed out")
+                log.info("report of %s: %s; reporting again", path, exc or "timed out")
                 await trio.sleep(0.05)
                 continue
             except RemoteError as exc:
                 reply = {"error": str(exc)}
             if reply.get("error"):
-                self.stats["rounds_failed"] += 1
-                log.warning("no round plan for %s: %s; placing it alone", request.path, reply["error"])
+                log.warning("no round plan for %s: %s; going on alone", path, reply["error"])
                 return None
-            self.stats["rounds"] += 1
-            self.stats["last_plan"] = {k: reply.get(k) for k in (
-                "round", "files", "lp_bound_s", "makespan_s", "plan_s", "cached", "unique_bytes", "total_bytes", "durable_bytes")}
             return reply
-        self.stats["rounds_failed"] += 1
-        log.warning("no round plan for %s within %.0f s (controller unreachable); placing it alone",
-                    request.path, CLUSTER_REPORT_TIMEOUT_S)
+        log.warning("no round plan for %s within %.0f s (controller unreachable); going on alone", path, timeout_s)
         return None
+
+    # ===================================================== grouped reads
+    def start_read(self, request: ReadRequest) -> None:
+        round_key = (request.ino, request.version)
+        if not self.controller_address or self._nursery is None or round_key in self._read_rounds:
+            return  # no controller to plan with, or this node joined the round already
+        self._read_rounds[round_key] = None
+        while len(self._read_rounds) > CLUSTER_READ_ROUNDS_KEPT:
+            self._read_rounds.popitem(last=False)
+        self._read_planned.setdefault(request.ino, trio.Event())
+        self._nursery.start_soon(self._read_round, request)
+
+    async def _read_round(self, request: ReadRequest) -> None:
+        keys = chunk.unpack_manifest(request.manifest)[: chunk.chunk_count(request.size)]
+        mine: list[tuple[bytes, int, int]] = []
+        try:
+            have = [i for i, k in enumerate(keys) if k != chunk.HOLE and (self.pool.view(k) is not None or k in self.pool.spill)]
+            body = self._body("read_report", request, keys, have=have)
+            reply = await self._ask(body, request.path, CLUSTER_READ_PLAN_WAIT_S)
+            if reply is not None:
+                self.stats["read_rounds"] += 1
+                self.stats["last_read_plan"] = {k: reply.get(k) for k in ("round", "files", "readers", "unique_bytes", "fetch_bytes")}
+                try:
+                    for index, chain in reply.get("chains", {}).items():
+                        index, chain = int(index), [str(n) for n in chain]
+                        if self.node not in chain:
+                            continue
+                        at = chain.index(self.node)
+                        length = chunk.chunk_length(request.size, index)
+                        self._chain[keys[index]] = (
+                            request.ino, index, length, chain[at - 1] if at else None,
+                            chain[at + 1] if at + 1 < len(chain) else None,
+                        )
+                        mine.append((keys[index], index, length))
+                except (AttributeError, IndexError, TypeError, ValueError) as exc:
+                    log.error("malformed read plan for %s from the controller: %r", request.path, exc)
+        finally:
+            event = self._read_planned.pop(request.ino, None)
+            if event is not None:
+                event.set()
+        if not mine:
+            return
+        try:  # whole-file prefetch along the chains: readers then find every chunk in the pool
+            limiter = trio.Semaphore(CLUSTER_PREFETCH_IN_FLIGHT)
+            async with trio.open_nursery() as nursery:
+                for key, index, length in mine:
+                    await limiter.acquire()
+                    nursery.start_soon(self._prefetch, request.ino, key, index, length, limiter)
+            await trio.sleep(CLUSTER_CHAIN_LINGER_S)  # successors may still be asking for them
+        finally:
+            for key, _, _ in mine:
+                entry = self._chain.get(key)
+                if entry is not None and entry[0] == request.ino:
+                    del self._chain[key]
+
+    async def _prefetch(self, ino: int, key: bytes, index: int, length: int, limiter) -> None:
+        try:
+            if self.pool.view(key) is None:
+                await self.pool.read(key, lambda: self.fs.persister.fetch_chunk(ino, index, key, length))
+                self.stats["chunks_prefetched"] += 1
+        except AiturboError as exc:
+            log.info("prefetch of chunk %d of inode %d failed (%s); the reader fetches it itself", index, ino, exc)
+        finally:
+            limiter.release()
+
+    async def round_fetch(self, ino: int, key: bytes) -> bytes | None:
+        planned = self._read_planned.get(ino)
+        if planned is not None:
+            with trio.move_on_after(CLUSTER_READ_WAIT_S):
+                await planned.wait()
+        entry = self._chain.get(key)
+        if entry is None or entry[3] is None:
+            return None  # not in a round, or we are the chain's head: the usual path
+        pred = entry[3]
+        try:
+            data = await (await self._peer(pred)).get_chunk(key)
+        except (*_PEER_ERRORS, AiturboError) as exc:
+            log.info("chunk %s… from chain predecessor %r: %s; fetching it elsewhere", key.hex()[:16], pred, exc)
+            return None
+        if data is None:
+            return None
+        self.stats["chunks_from_chain"] += 1
+        return bytes(data)
 
     def _candidates(self, ino: int, avoid: set[str]) -> list[str]:
         """Live nodes in rendezvous order for ``ino`` (a stable, spread choice)."""

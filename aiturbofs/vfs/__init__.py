@@ -3,6 +3,7 @@
 from ._cluster import ClusterPort as ClusterPort
 from ._cluster import CopySource as CopySource
 from ._cluster import PersistHints as PersistHints
+from ._cluster import ReadRequest as ReadRequest
 from ._cluster import Staged as Staged
 from ._cluster import StageRequest as StageRequest
 from ._fs import CloseReport as CloseReport

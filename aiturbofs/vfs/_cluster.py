@@ -8,7 +8,10 @@ cluster, the VFS calls the port at three points:
   controller's round plan says) and learn who holds them and how the persist
   is to be split;
 - ``fetch`` when a chunk is in no local tier: ask the nodes that hold it;
-- ``upload_part`` when the plan gives a part of an upload to another node.
+- ``upload_part`` when the plan gives a part of an upload to another node;
+- ``start_read`` when a grouped file is opened for reading (the read round:
+  each chunk fetched from storage by one node, passed along a chain), and
+  ``round_fetch`` when a chunk of such a file is missing locally.
 
 The VFS and the controller never import each other: they meet here, in
 plain values.
@@ -27,6 +30,18 @@ class StageRequest:
     size: int
     manifest: bytes
     group: str | None
+    group_size: int | None
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    ino: int
+    version: int
+    path: str
+    size: int
+    manifest: bytes
+    holders: list[str]
+    group: str
     group_size: int | None
 
 
@@ -68,6 +83,12 @@ class ClusterPort(Protocol):
 
     async def upload_part(self, node: str, backend_key: str, token: str, index: int, key: bytes, length: int, holders: list[str]) -> str:
         """Have ``node`` upload part ``index`` (chunk ``key``); returns its receipt."""
+
+    def start_read(self, request: ReadRequest) -> None:
+        """Join the group's read round for this file (in the background)."""
+
+    async def round_fetch(self, ino: int, key: bytes) -> bytes | None:
+        """Chunk ``key`` of ``ino`` through its read round's chain, or None (no round covers it)."""
 
     def dead_nodes(self) -> set[str]:
         """Nodes the controller declared dead (their staged files need a new owner)."""

@@ -48,7 +48,7 @@ from .._limits import (
 from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, STATE_STAGED, InodeRow
 from ..staging import StagingPool
 from . import _xattr
-from ._cluster import ClusterPort, Staged, StageRequest
+from ._cluster import ClusterPort, ReadRequest, Staged, StageRequest
 from ._content import FileContent, Slot
 from ._importer import Importer
 from ._options import VfsOptions
@@ -533,9 +533,25 @@ class Filesystem:
         elif writable and row.manifest is None and any(s is not None and s.is_external for s in content.slots):
             await self._hash_external(node, content)
         handle = self._open_handle(node, flags)
+        if self.cluster is not None and not writable and row.manifest and not content.dirty:
+            await self._join_read_round(node)
         keep = node.cached_version == row.version and not content.dirty
         node.cached_version = row.version
         return handle, keep
+
+    async def _join_read_round(self, node: Inode) -> None:
+        """A grouped file opened for reading: the nodes reading it share the storage fetches."""
+        tags = await self._tags(node)
+        group = tags.get(_xattr.GROUP)
+        if group is None:
+            return
+        size_tag = tags.get(_xattr.GROUP_SIZE)
+        row = node.row
+        paths = await self.meta.paths_of(node.ino)
+        self.cluster.start_read(ReadRequest(
+            ino=node.ino, version=row.version, path=paths[0] if paths else "", size=row.size, manifest=row.manifest,
+            holders=list(row.holders), group=group.decode(), group_size=int(size_tag) if size_tag else None,
+        ))
 
     async def release(self, fh: int) -> None:
         handle = self._handles.pop(fh)

@@ -750,11 +750,15 @@ class Persister:
 
     async def fetch_chunk(self, ino: int, index: int, key: bytes, length: int) -> bytes:
         """Read path: a sealed chunk missing from the pool, from a peer or the backend."""
-        row = await self.meta.get_inode(ino)
-        if row.state != STATE_DURABLE or row.persisted_version != row.version:
-            data = await self._from_peers(row, key)
+        cluster = self.fs.cluster
+        if cluster is not None:
+            data = await cluster.round_fetch(ino, key)  # a grouped read: from our chain predecessor
             if data is not None:
                 return data
+        row = await self.meta.get_inode(ino)
+        data = await self._from_peers(row, key)  # the distributed cache: holders' DRAM before storage
+        if data is not None:
+            return data
         if not row.backend_keys:
             raise IntegrityError(f"chunk {index} of inode {ino} is in neither DRAM, spill nor the backend")
         try:
