@@ -105,6 +105,25 @@ FABRIC_PING_TIMEOUT_S = 5.0  # default bound for ping()
 FABRIC_SEND_TIMEOUT_S = 30.0  # a server's reply that the peer does not take in this long breaks the connection
 FABRIC_ERROR_SEND_TIMEOUT_S = 1.0  # best-effort ERROR frame before closing a misbehaving connection
 FABRIC_ACCEPT_BACKLOG = 128  # listen() backlog / memory-network accept queue
+# fabric over RDMA: chunk payloads on RC queue pairs; auth, control and small payloads stay on TCP
+FABRIC_RDMA_SLOTS = 16  # registered CHUNK_BYTES buffers per role (lent for our requests / served from): 2 x 16 x 8 MiB pinned
+FABRIC_RDMA_SLOTS_MAX = 1024  # a peer that lends more slots than this is refused
+FABRIC_RDMA_PAYLOAD_BYTES_MIN = 64 * KiB  # smaller payloads ride in their TCP frame: cheaper than a work request + reply
+FABRIC_RDMA_PROBE_BYTES = 4 * KiB  # the page after the lent slots that a server RDMA-reads once to check the path
+FABRIC_RDMA_QPS_MAX = 1024  # queue pairs one transport holds (both roles); past it, peers use TCP payloads
+FABRIC_RDMA_READS_MAX = 16  # RDMA READs in flight per queue pair (clamped to the device's max_qp_[init_]rd_atom)
+FABRIC_RDMA_SETUP_TIMEOUT_S = 5.0  # queue-pair exchange, then path check, with one peer (each step)
+FABRIC_RDMA_PROBE_TIMEOUT_S = 2.0  # the path check's RDMA READ; a dead path fails in ~0.5 s (ACK timeout x retries)
+FABRIC_RDMA_WR_TIMEOUT_S = 10.0  # one work request; longer means the device or path is stuck: the connection breaks
+FABRIC_RDMA_ACK_TIMEOUT = 14  # IB local ACK timeout exponent: 4.096 us x 2^14 = 67 ms per transport try
+FABRIC_RDMA_RETRY_COUNT = 7  # transport retries before a work request fails (the IB maximum)
+FABRIC_RDMA_RNR_RETRY = 7  # receiver-not-ready retries (7: forever); no SEND/RECV is used, RTS needs a value
+FABRIC_RDMA_MIN_RNR_TIMER = 12  # 0.64 ms; unused without SEND/RECV, RTR needs a value
+FABRIC_RDMA_HOP_LIMIT = 64  # GRH hop limit (routed RoCE v2)
+FABRIC_RDMA_GIDS_MAX = 256  # GID table entries looked at when choosing a port's address
+FABRIC_RDMA_POLL_BATCH = 16  # work completions taken per poll call
+FABRIC_RDMA_POLL_ROUND_S = 0.05  # pyverbs without a completion-channel fd: one worker-thread polling round...
+FABRIC_RDMA_POLL_SLEEP_S = 50e-6  # ...sleeping this long between empty polls
 
 # --- planner (grouped write) ----------------------------------------------------------
 PLAN_CACHE_ENTRIES_MAX = 16  # plans kept for repeating chunk patterns (LRU): one per distinct round shape
@@ -146,3 +165,5 @@ CLUSTER_PREFETCH_IN_FLIGHT = 4  # chunks of a grouped read fetched at once per f
 CLUSTER_CHAIN_LINGER_S = 30.0  # after its prefetch, a node keeps serving its chain successors this long
 CLUSTER_UNREACHABLE_RETRY_S = 5.0  # a peer that could not be reached is skipped this long
 CLUSTER_READ_WAIT_S = 3.0  # ... and a read() of it waits this long for the plan, then fetches alone
+READ_AHEAD_CHUNKS = 2  # a sequential reader has this many chunks after the current one fetched ahead
+PREFETCH_TASKS_MAX = 16  # read-ahead fetches in flight per daemon

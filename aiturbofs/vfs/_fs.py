@@ -40,6 +40,8 @@ from .._limits import (
     CHUNK_BYTES,
     CLUSTER_STATE_POLL_S,
     FILE_SIZE_BYTES_MAX,
+    PREFETCH_TASKS_MAX,
+    READ_AHEAD_CHUNKS,
     HASH_INLINE_BYTES_MAX,
     NAME_BYTES_MAX,
     SMALL_BUFFER_BYTES,
@@ -96,13 +98,14 @@ class Inode:
 
 
 class Handle:
-    __slots__ = ("fh", "inode", "flags", "writable")
+    __slots__ = ("fh", "inode", "flags", "writable", "next_offset")
 
     def __init__(self, fh: int, inode: Inode, flags: int):
         self.fh = fh
         self.inode = inode
         self.flags = flags
         self.writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        self.next_offset = 0  # where a sequential reader reads next (read-ahead)
 
 
 def _now_ns() -> int:
@@ -137,11 +140,14 @@ class Filesystem:
         self.persister = Persister(self)
         self.importer = Importer(self)
         self.errors: list[str] = []
+        self._nursery: trio.Nursery | None = None
+        self._prefetching: set[bytes] = set()
 
     # =============================================================== lifecycle
     async def start(self, nursery: trio.Nursery) -> None:
         """Recover staged files, then run the sealer and the persister."""
         await self.persister.recover()
+        self._nursery = nursery
         nursery.start_soon(self._run_sealer)
         await nursery.start(self.persister.run)
 
@@ -816,6 +822,9 @@ class Filesystem:
         end = min(offset + size, content.size)
         if offset >= end:
             return b""
+        if offset == handle.next_offset and not content.dirty:
+            self._read_ahead(node, content, (end - 1) // CHUNK_BYTES)
+        handle.next_offset = end
         pieces = []
         for index, start, count, _ in chunk.spans(offset, end - offset):
             slot = content.slot_at(index)
@@ -834,6 +843,26 @@ class Filesystem:
         if len(pieces) == 1:
             return pieces[0]
         return b"".join(pieces)
+
+    def _read_ahead(self, node: Inode, content: FileContent, last: int) -> None:
+        """A sequential reader: fetch the next chunks into the pool while it reads this one."""
+        for index in range(last + 1, min(last + 1 + READ_AHEAD_CHUNKS, chunk.chunk_count(content.size))):
+            slot = content.slot_at(index)
+            if slot is None or slot.key is None or slot.buf is not None:
+                continue
+            key = slot.key
+            if key in self._prefetching or self.pool.view(key) is not None or len(self._prefetching) >= PREFETCH_TASKS_MAX:
+                continue
+            self._prefetching.add(key)
+            self._nursery.start_soon(self._prefetch, node, index, key, chunk.chunk_length(content.size, index))
+
+    async def _prefetch(self, node: Inode, index: int, key: bytes, length: int) -> None:
+        try:
+            await self.pool.read(key, lambda: self.persister.fetch_chunk(node.ino, index, key, length))
+        except AiturboError as exc:  # the reader will fetch (and report) it itself
+            log.debug("read-ahead of inode %d chunk %d: %s", node.ino, index, exc)
+        finally:
+            self._prefetching.discard(key)
 
     async def _read_slot(self, node: Inode, index: int, slot: Slot, length: int):
         """The bytes of a sealed or external slot (valid until the next await)."""
