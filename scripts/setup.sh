@@ -8,6 +8,11 @@ pkgs=(libfuse3-dev fuse3 attr pkg-config)
 if [ "${1:-}" = "--test" ]; then
     pkgs+=(fio rsync postgresql)
 fi
+# The RDMA fabric (docs/rdma.md) needs pyverbs: on hosts with an RDMA device, and
+# for the tests (which check that it loads, and skip the hardware runs without a device).
+if [ "${1:-}" = "--test" ] || [ -n "$(ls -A /sys/class/infiniband 2>/dev/null)" ]; then
+    pkgs+=(python3-pyverbs)
+fi
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ "${#missing[@]}" -gt 0 ]; then
@@ -18,6 +23,17 @@ if [ "${1:-}" = "--test" ]; then
     python3 -m pip install -q --disable-pip-version-check -e '.[test]'
 else
     python3 -m pip install -q --disable-pip-version-check -e .
+fi
+# Debian builds pyverbs for its own python3; lend it to the python3 running aiturbofs when
+# that is another build of the same version (PyPI's pyverbs wants a libibverbs of its own
+# rdma-core release, which Debian 12 does not have).
+if dpkg -s python3-pyverbs >/dev/null 2>&1 && ! python3 -c 'import pyverbs.device' 2>/dev/null; then
+    platlib=$(python3 -c 'import sysconfig; print(sysconfig.get_path("platlib"))')
+    suffix=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+    if ls /usr/lib/python3/dist-packages/pyverbs/*"$suffix" >/dev/null 2>&1 \
+        && { [ ! -e "$platlib/pyverbs" ] || [ -L "$platlib/pyverbs" ]; }; then
+        ln -sfn /usr/lib/python3/dist-packages/pyverbs "$platlib/pyverbs"
+    fi
 fi
 # mount(8) and fstab look for the helper in /sbin
 scripts_dir=$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))')

@@ -1,15 +1,21 @@
 """The fabric: wire format, cluster-secret auth, and the transport conformance suite.
 
-``TransportConformance`` is what every transport must pass; ``TestTCP`` and
-``TestMemory`` supply only the ``make_transport`` fixture.  Byte-level attacks
-(unauthenticated frames, oversized lengths, other versions, tampering) use the
-transports' raw stream seam (``_open_stream`` / ``_serve_streams``), so they run
-on every transport too.
+``TransportConformance`` is what every transport must pass; ``TestTransports``
+runs it once per entry of ``TRANSPORTS`` by supplying only the
+``make_transport`` fixture: TCP, memory, RDMA over the in-process loopback
+verbs (both completion modes), RDMA meeting TCP in either role (per-peer
+fallback), and RDMA on a real device when there is one (see docs/rdma.md).
+Byte-level attacks (unauthenticated frames, oversized lengths, other versions,
+tampering) use the transports' raw stream seam (``_open_stream`` /
+``_serve_streams``), so they run on every transport too.  The RDMA-specific
+parts (set-up, fallback, slot bookkeeping, work-request failures, transport
+choice) follow the suite.
 """
 
 import logging
 import os
 import struct
+import sys
 import tracemalloc
 from contextlib import asynccontextmanager
 
@@ -20,7 +26,26 @@ import trio.testing
 from aiturbofs import chunk
 from aiturbofs._errors import AuthFailed, ConfigError, IntegrityError, InvalidArgument, NotFound, PeerBroken, PeerClosed, RemoteError
 from aiturbofs._limits import CHUNK_BYTES, FABRIC_CONTROL_BYTES_MAX, FABRIC_FRAME_BYTES_MAX, FABRIC_IN_FLIGHT_MAX
-from aiturbofs.fabric import MemoryNetwork, MemoryTransport, TcpTransport, load_secret
+from aiturbofs._limits import FABRIC_RDMA_PAYLOAD_BYTES_MIN, FABRIC_RDMA_READS_MAX, FABRIC_RDMA_SLOTS_MAX
+from aiturbofs.fabric import LoopbackDevice, MemoryNetwork, MemoryTransport, RdmaTransport, TcpTransport, load_secret, open_transport, rdma_devices
+from aiturbofs.fabric import _loopverbs, _pyverbs, _rdma_client, _select, _slots
+from aiturbofs.fabric._pyverbs import probe as probe_rdma
+from aiturbofs.fabric._rdma_wire import (
+    ENDPOINT,
+    ENDPOINT_BYTES,
+    LentMemory,
+    decode_accept,
+    decode_length,
+    decode_offer,
+    decode_slot,
+    decode_slot_length,
+    encode_endpoint,
+    encode_length,
+    encode_slot,
+    encode_slot_length,
+)
+from aiturbofs.fabric._slots import SlotPool
+from aiturbofs.fabric._verbs import Op, QpAddress, Region, VerbsError
 from aiturbofs.fabric._wire import HEADER, MAGIC, VERSION, FrameReader, FrameType, encode_hello, send_frame
 
 SECRET = b"correct horse battery staple 42!"
@@ -136,6 +161,9 @@ class TransportConformance:
                     c = peer.counters
                     assert c.chunks_sent == 3 and c.chunks_received == 3 and c.corrupt_frames == 0
                     assert c.bytes_sent > CHUNK_BYTES and c.bytes_received > CHUNK_BYTES
+                    # the payloads took the path this pairing should give them
+                    assert getattr(peer, "payload_path", None) == make_transport.payload_path
+                    assert c.rdma_bytes == (2 * CHUNK_BYTES if make_transport.payload_path == "rdma" else 0)
                     served = server.counters()["client"]
                     assert served.chunks_received == 3 and served.chunks_sent == 3
                     assert served.bytes_received == c.bytes_sent and served.bytes_sent == c.bytes_received
@@ -271,7 +299,10 @@ class TransportConformance:
         run(main)
 
     # --- integrity ----------------------------------------------------------------------
-    def test_corrupt_payload_is_detected_both_ways(self, make_transport):
+    def test_corrupt_payload_is_detected_both_ways(self, make_transport, monkeypatch):
+        # RDMA payloads bypass the proxy: corrupt those where they land instead.
+        monkeypatch.setattr(_slots, "_landed", flipped)
+
         async def main():
             store = Store()
             small, large = keyed(os.urandom(100)), keyed(os.urandom(2 * 1024 * 1024))  # inline and threaded hashing
@@ -437,24 +468,75 @@ async def tamper_proxy(transport, target: str, *, task_status=trio.TASK_STATUS_I
     await transport._serve_streams(handle, task_status=task_status)
 
 
-class TestTCP(TransportConformance):
-    @pytest.fixture
-    def make_transport(self):
-        def make(node, secret, **kw):
-            return TcpTransport(node, secret, host="127.0.0.1", port=0, **kw)
-
-        return make
+def flipped(view) -> bytearray:
+    """``_slots._landed`` as a faulty path would deliver: one bit flipped."""
+    data = bytearray(view)
+    data[len(data) // 2] ^= 0x01
+    return data
 
 
-class TestMemory(TransportConformance):
-    @pytest.fixture
-    def make_transport(self):
+RDMA_DEVICES, _RDMA_ABSENT = probe_rdma()
+if "not installed" in _RDMA_ABSENT:
+    RDMA_SKIP = "pyverbs not installed (apt-get install python3-pyverbs; see docs/rdma.md)"
+elif "pyverbs" in _RDMA_ABSENT:
+    RDMA_SKIP = f"pyverbs not usable: {_RDMA_ABSENT}"
+else:
+    RDMA_SKIP = "no RDMA device (see docs/rdma.md to run with soft-RoCE)"
+
+
+def tcp(node, secret, **kw):
+    return TcpTransport(node, secret, host="127.0.0.1", port=0, **kw)
+
+
+def rdma(device_factory):
+    def make(node, secret, **kw):
+        return RdmaTransport(node, secret, host="127.0.0.1", port=0, device=device_factory(), **kw)
+
+    return make
+
+
+def factory(kind: str):
+    """``make_transport`` for one entry of TRANSPORTS, with the payload path its client should end up on."""
+    loopback = rdma(LoopbackDevice)
+    if kind == "tcp":
+        make, path = tcp, None
+    elif kind == "memory":
         network = MemoryNetwork()
+        make, path = (lambda node, secret, **kw: MemoryTransport(network, node, secret, **kw)), None
+    elif kind == "rdma-loopback":
+        make, path = loopback, "rdma"
+    elif kind == "rdma-loopback-polled":  # pyverbs without a completion-channel fd (rdma-core 44)
+        make, path = rdma(lambda: LoopbackDevice(channel=False)), "rdma"
+    elif kind == "rdma-client-tcp-server":
+        make, path = (lambda node, secret, **kw: (tcp if node == "server" else loopback)(node, secret, **kw)), "tcp"
+    elif kind == "tcp-client-rdma-server":
+        make, path = (lambda node, secret, **kw: (loopback if node == "server" else tcp)(node, secret, **kw)), None
+    else:
+        assert kind == "rdma"
+        make, path = rdma(lambda: RDMA_DEVICES[0]), "rdma"
 
-        def make(node, secret, **kw):
-            return MemoryTransport(network, node, secret, **kw)
+    def make_transport(node, secret, **kw):
+        return make(node, secret, **kw)
 
-        return make
+    make_transport.payload_path = path
+    return make_transport
+
+
+TRANSPORTS = [
+    "tcp",
+    "memory",
+    "rdma-loopback",
+    "rdma-loopback-polled",
+    "rdma-client-tcp-server",
+    "tcp-client-rdma-server",
+    pytest.param("rdma", marks=pytest.mark.skipif(not RDMA_DEVICES, reason=RDMA_SKIP)),
+]
+
+
+class TestTransports(TransportConformance):
+    @pytest.fixture(params=TRANSPORTS)
+    def make_transport(self, request):
+        return factory(request.param)
 
 
 # --- the wire format alone ----------------------------------------------------------------
@@ -581,3 +663,422 @@ def test_transport_refuses_a_short_secret():
     with pytest.raises(ConfigError, match="at least 16"):
         MemoryTransport(MemoryNetwork(), "n", b"short")
     assert FABRIC_IN_FLIGHT_MAX >= 1
+
+
+# --- RDMA: set-up, per-peer fallback, slots, work-request failures ----------------------------
+
+
+def test_slot_pool_bookkeeping():
+    async def main():
+        memory = memoryview(bytearray(3 * 16))
+        pool = SlotPool(memory, 3, 16)
+        taken = [await pool.acquire() for _ in range(3)]
+        assert pool.free == 0 and sorted(s.index for s in taken) == [0, 1, 2]
+        assert [s.offset for s in pool.slots] == [0, 16, 32] and all(len(s.view) == 16 for s in pool.slots)
+        taken[1].view[:] = b"x" * 16
+        assert bytes(memory[16:32]) == b"x" * 16  # a slot is a window on the registered memory
+        waiters = []
+
+        async def wait(n):
+            waiters.append((n, await pool.acquire()))
+
+        async with trio.open_nursery() as nursery:
+            for n in range(2):
+                nursery.start_soon(wait, n)
+                await trio.testing.wait_all_tasks_blocked()
+            for slot in (taken[0], taken[2]):
+                pool.release(slot)
+                await trio.testing.wait_all_tasks_blocked()
+        assert [n for n, _ in waiters] == [0, 1]  # first come, first served
+        with trio.move_on_after(0.05) as scope:  # cancelling a wait takes nothing
+            await pool.acquire()
+        assert scope.cancelled_caught and pool.free == 0
+        taken[1].in_flight = True
+        with pytest.raises(AssertionError, match="work request"):
+            pool.release(taken[1])  # a work request may still write it
+        taken[1].in_flight = False
+        pool.release(taken[1])
+        with pytest.raises(AssertionError, match="twice"):
+            pool.release(taken[1])
+        with pytest.raises(AssertionError, match="another pool"):
+            SlotPool(memoryview(bytearray(16)), 1, 16).release(taken[1])
+        for _, slot in waiters:
+            pool.release(slot)
+        assert pool.free == 3
+
+    run(main)
+
+
+QP = QpAddress(qpn=0x1234, psn=0xABCDE, lid=0, gid=bytes.fromhex("fe80000000000000" "0011223344556677"), mtu=5, rd_atomic=16)
+LENT = LentMemory(addr=0x7F00_0000_0000, rkey=0xDEADBEEF, slots=16)
+
+
+def test_endpoints_round_trip():
+    offer = encode_endpoint(QP, LENT)
+    assert len(offer) == ENDPOINT_BYTES
+    assert decode_offer(offer) == (QP, LENT)
+    assert decode_accept(encode_endpoint(QP)) == QP
+    assert LENT.slot_addr(3) == LENT.addr + 3 * CHUNK_BYTES and LENT.probe_addr == LENT.addr + 16 * CHUNK_BYTES
+    assert decode_slot(encode_slot(15), LENT) == 15
+    assert decode_slot_length(encode_slot_length(2, CHUNK_BYTES), LENT) == (2, CHUNK_BYTES)
+
+
+def _endpoint(**fields) -> bytes:
+    values = dict(version=1, mtu=5, rd_atomic=16, flags=0, qpn=QP.qpn, psn=QP.psn, lid=0, reserved=0, gid=QP.gid,
+                  addr=LENT.addr, rkey=LENT.rkey, slots=LENT.slots, slot_bytes=CHUNK_BYTES)
+    values.update(fields)
+    return ENDPOINT.pack(*values.values())
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(version=2), "extension version 2"),
+        (dict(flags=1), "reserved bits"),
+        (dict(reserved=1), "reserved bits"),
+        (dict(mtu=0), "MTU code 0"),
+        (dict(mtu=6), "MTU code 6"),
+        (dict(rd_atomic=0), "0 READs"),
+        (dict(rd_atomic=FABRIC_RDMA_READS_MAX + 1), "READs in flight"),
+        (dict(qpn=1), "queue pair number 1"),
+        (dict(qpn=1 << 24), "queue pair number"),
+        (dict(psn=1 << 24), "exceeds 24 bits"),
+        (dict(gid=bytes(16), lid=0), "neither a GID nor a LID"),
+        (dict(slot_bytes=CHUNK_BYTES // 2), "slots of"),
+        (dict(slots=FABRIC_RDMA_SLOTS_MAX + 1), "lends 1025 slots"),
+        (dict(addr=0), "cannot hold"),
+        (dict(addr=(1 << 64) - CHUNK_BYTES), "cannot hold"),
+        (dict(addr=0, rkey=0, slots=0, slot_bytes=0), "lends no memory"),
+    ],
+)
+def test_bad_offers_are_refused(fields, message):
+    with pytest.raises(InvalidArgument, match=message):
+        decode_offer(_endpoint(**fields))
+
+
+def test_bad_slot_references_are_refused():
+    with pytest.raises(InvalidArgument, match="lends memory"):
+        decode_accept(encode_endpoint(QP, LENT))  # a server never exposes its memory
+    assert decode_accept(_endpoint(gid=bytes(16), lid=7, addr=0, rkey=0, slots=0, slot_bytes=0)).lid == 7  # IB: a LID will do
+    with pytest.raises(InvalidArgument, match="slot 16 is not one of the 16"):
+        decode_slot(encode_slot(16), LENT)
+    with pytest.raises(InvalidArgument, match="length 0"):
+        decode_slot_length(encode_slot_length(0, 0), LENT)
+    with pytest.raises(InvalidArgument, match=f"length {CHUNK_BYTES + 1}"):
+        decode_length(encode_length(CHUNK_BYTES + 1))
+
+
+@asynccontextmanager
+async def rdma_pair(handler, *, server_device=None, client_device=None, server=None, **client_kw):
+    """A served RDMA transport (loopback verbs unless given) and a client connected to it."""
+    server = server or RdmaTransport("server", SECRET, host="127.0.0.1", port=0, device=server_device or LoopbackDevice())
+    client = RdmaTransport("client", SECRET, host="127.0.0.1", port=0, device=client_device or LoopbackDevice(), **client_kw)
+    async with server, trio.open_nursery() as nursery:
+        address = await nursery.start(server.serve, handler)
+        async with client:
+            yield server, client, await client.connect(address)
+        nursery.cancel_scope.cancel()
+
+
+async def settled(server, client, *, qps_left=0):
+    """Wait until every slot is back in its pool and the queue pairs are gone (sessions end asynchronously)."""
+    with trio.fail_after(5):
+        while server._own_slots.free < server._own_slots.count or server._qps > qps_left:
+            await trio.sleep(0.01)
+    assert client._lent_slots.free == client._lent_slots.count
+
+
+def test_rdma_is_set_up_on_first_chunk_call_only():
+    async def main():
+        async with rdma_pair(Store()) as (server, client, peer):
+            assert await peer.control({"op": "hello"})
+            await peer.ping()
+            assert peer.payload_path is None and client._qps == 0 and server._qps == 0  # control alone needs no QP
+            key, data = keyed(os.urandom(FABRIC_RDMA_PAYLOAD_BYTES_MIN))
+            assert await peer.put_chunk(key, data)
+            assert peer.payload_path == "rdma" and client._qps == 1 and server._qps == 1
+            assert peer.counters.rdma_bytes == len(data)
+            small = keyed(b"tiny")  # below FABRIC_RDMA_PAYLOAD_BYTES_MIN: rides in the TCP frame
+            assert await peer.put_chunk(*small)
+            assert await peer.get_chunk(small[0]) == b"tiny" and peer.counters.rdma_bytes == len(data)
+
+    run(main)
+
+
+def test_rdma_client_falls_back_to_tcp_with_a_tcp_server(caplog):
+    async def main():
+        store = Store()
+        async with TcpTransport("server", SECRET, host="127.0.0.1", port=0) as server, trio.open_nursery() as nursery:
+            address = await nursery.start(server.serve, store)
+            async with RdmaTransport("client", SECRET, host="127.0.0.1", port=0, device=LoopbackDevice()) as client:
+                peer = await client.connect(address)
+                key, data = keyed(os.urandom(CHUNK_BYTES))
+                assert await peer.put_chunk(key, data) and await peer.get_chunk(key) == data
+                assert peer.payload_path == "tcp" and peer.counters.rdma_bytes == 0
+                assert client._qps == 0 and client._lent_slots.free == client._lent_slots.count
+                assert store.calls == 2  # the RDMA offer never reached the handler
+            nursery.cancel_scope.cancel()
+
+    with caplog.at_level(logging.INFO, logger="aiturbofs.fabric"):
+        run(main)
+    assert "chunks with 'server'" in caplog.text and "go over TCP" in caplog.text and "has no RDMA" in caplog.text
+
+
+def test_failed_path_check_falls_back_to_tcp(caplog):
+    """Queue pairs that connect but cannot reach each other (another fabric, a firewall): TCP, logged."""
+
+    async def main():
+        client_device = LoopbackDevice()
+        _loopverbs._devices.pop(client_device.gid)  # the server's packets find nobody there
+        store = Store()
+        async with rdma_pair(store, client_device=client_device) as (server, client, peer):
+            key, data = keyed(os.urandom(CHUNK_BYTES))
+            assert await peer.put_chunk(key, data) and await peer.get_chunk(key) == data
+            assert peer.payload_path == "tcp" and peer.counters.rdma_bytes == 0
+            await settled(server, client)
+            assert client._qps == 0
+
+    with caplog.at_level(logging.INFO, logger="aiturbofs.fabric"):
+        run(main)
+    assert "RDMA path check" in caplog.text and "RETRY_EXC_ERR" in caplog.text
+
+
+def test_many_transfers_share_few_slots():
+    async def main():
+        store = Store()
+        chunks = [keyed(os.urandom(FABRIC_RDMA_PAYLOAD_BYTES_MIN + 1000 * i)) for i in range(12)]
+        server = RdmaTransport("server", SECRET, host="127.0.0.1", port=0, device=LoopbackDevice(channel=False), slots=2)
+        async with rdma_pair(store, server=server, slots=3) as (server, client, peer):
+            async with trio.open_nursery() as nursery:
+                for key, data in chunks:
+                    nursery.start_soon(peer.put_chunk, key, data)
+            assert store.chunks == dict(chunks)
+            got = {}
+
+            async def get(key):
+                got[key] = await peer.get_chunk(key)
+
+            async with trio.open_nursery() as nursery:
+                for key, _ in chunks:
+                    nursery.start_soon(get, key)
+            assert got == dict(chunks)
+            assert peer.counters.rdma_bytes == 2 * sum(len(d) for _, d in chunks)
+            await settled(server, client, qps_left=1)
+
+    run(main)
+
+
+def test_cancelled_get_keeps_its_slot_lent_until_the_reply():
+    """The server may still write into the slot of an abandoned call: it is not reused before the reply."""
+
+    async def main():
+        release = trio.Event()
+        big = keyed(os.urandom(FABRIC_RDMA_PAYLOAD_BYTES_MIN))
+
+        class Slow(Store):
+            async def get_chunk(self, peer, key):
+                await release.wait()
+                return await super().get_chunk(peer, key)
+
+        store = Slow()
+        store.chunks.update([big])
+        async with rdma_pair(store) as (_, client, peer):
+            assert await peer.put_chunk(*big)  # sets RDMA up
+            pool = client._lent_slots
+            with trio.move_on_after(0.2):  # our own cancel scope: abandons the call, judges nobody
+                await peer.get_chunk(big[0])
+            assert peer.state == "open" and pool.free == pool.count - 1 and len(peer._orphans) == 1
+            release.set()
+            with trio.fail_after(5):
+                while pool.free < pool.count:
+                    await trio.sleep(0.01)  # the late reply freed it
+            assert await peer.get_chunk(big[0]) == big[1]
+
+    run(main)
+
+
+def test_stuck_work_request_breaks_the_connection_and_frees_its_slot():
+    async def main():
+        device = LoopbackDevice()
+        store = Store()
+        big = keyed(os.urandom(CHUNK_BYTES))
+        store.chunks.update([big])
+        async with rdma_pair(store, server_device=device) as (server, client, peer):
+            assert await peer.get_chunk(big[0]) == big[1]
+            device.stall = True  # the server's next RDMA WRITE never completes
+            with pytest.raises(PeerBroken, match="no reply"):
+                await peer.get_chunk(big[0], timeout=0.5)
+            with pytest.raises(PeerBroken):
+                await peer.ping()
+            await settled(server, client)  # the parked slot came back once the queue pair was gone
+
+    run(main)
+
+
+def test_queue_pair_error_breaks_the_connection():
+    async def main():
+        store = Store()
+        big = keyed(os.urandom(CHUNK_BYTES))
+        store.chunks.update([big])
+        async with rdma_pair(store) as (server, client, peer):
+            assert await peer.get_chunk(big[0]) == big[1]
+            peer._qp.state = "error"  # the client's queue pair failed: the server's WRITE cannot land
+            with pytest.raises(PeerBroken, match="RETRY_EXC_ERR"):
+                await peer.get_chunk(big[0])
+            assert peer.state == "broken"
+            await settled(server, client)
+
+    run(main)
+
+
+def test_bad_slot_reference_drops_the_connection(monkeypatch):
+    async def main():
+        store = Store()
+        big = keyed(os.urandom(CHUNK_BYTES))
+        store.chunks.update([big])
+        async with rdma_pair(store) as (server, client, peer):
+            assert await peer.get_chunk(big[0]) == big[1]
+            monkeypatch.setattr(_rdma_client, "encode_slot", lambda index: encode_slot(client._lent.slots))
+            with pytest.raises(PeerBroken, match="slot 16 is not one of the 16 lent"):
+                await peer.get_chunk(big[0])
+            await settled(server, client)
+
+    run(main)
+
+
+def test_rdma_frames_without_rdma_drop_the_connection():
+    async def main():
+        async with rdma_pair(Store()) as (server, client, peer):
+            with pytest.raises(PeerBroken, match="GET_CHUNK_RDMA before RDMA_CONNECT"):
+                await peer._call(FrameType.GET_CHUNK_RDMA, chunk.digest(b"x"), encode_slot(0), 5, {FrameType.CHUNK_RDMA})
+        async with TcpTransport("server", SECRET, host="127.0.0.1", port=0) as server, trio.open_nursery() as nursery:
+            address = await nursery.start(server.serve, Store())
+            async with TcpTransport("client", SECRET, host="127.0.0.1", port=0) as client:
+                peer = await client.connect(address)
+                with pytest.raises(RemoteError, match="has no RDMA"):
+                    await peer._call(FrameType.RDMA_CONNECT, b"", encode_endpoint(QP, LENT), 5, {FrameType.RDMA_ACCEPT})
+                await peer.ping()  # a refusal, not a failure
+                with pytest.raises(PeerBroken, match="without RDMA"):
+                    await peer._call(FrameType.PUT_CHUNK_RDMA, chunk.digest(b"x"), encode_slot_length(0, 1), 5, {FrameType.ACK})
+            nursery.cancel_scope.cancel()
+
+    run(main)
+
+
+def test_served_memory_is_not_reachable_by_peers():
+    """A client's queue pair can reach nothing of the server's: only servers move bytes, into lent memory."""
+
+    async def main():
+        async with rdma_pair(Store()) as (server, client, peer):
+            assert await peer.put_chunk(*keyed(os.urandom(CHUNK_BYTES)))
+            for region in (server._own_region, server._lent_region):  # served from; lent by the server for its own calls
+                peer._qp.post(99, Op.READ, client._own_region, 0, 16, region.addr, region.rkey)
+                (completion,) = client._device.poll(16)
+                assert completion.wr_id == 99 and "REM_ACCESS_ERR" in completion.error
+                peer._qp.state = "rts"
+
+    run(main)
+
+
+def _pyverbs_or_skip():
+    try:
+        return _pyverbs.load()
+    except VerbsError as e:
+        pytest.skip(f"pyverbs not installed: {e}")
+
+
+@pytest.mark.parametrize("ethernet", [True, False], ids=["roce", "infiniband"])
+def test_pyverbs_objects_build_against_the_installed_bindings(ethernet):
+    """What the pyverbs adapter hands to the verbs, built with the real bindings (no device needed)."""
+    mods = _pyverbs_or_skip()
+    e = mods[3]
+    init, attr = _pyverbs.init_attrs(mods, None, port=1, send_depth=16, remote_access=True)
+    assert init.qp_type == e.ibv_qp_type.IBV_QPT_RC and init.max_send_wr == 16 and init.sq_sig_all == 1
+    remote_bits = e.ibv_access_flags.IBV_ACCESS_REMOTE_READ | e.ibv_access_flags.IBV_ACCESS_REMOTE_WRITE
+    assert attr.qp_access_flags & remote_bits == remote_bits
+    _, attr = _pyverbs.init_attrs(mods, None, port=1, send_depth=1, remote_access=False)
+    assert attr.qp_access_flags & remote_bits == 0  # what a node serves from is never remotely accessible
+    local = QpAddress(qpn=0x11, psn=0x22, lid=3, gid=bytes(range(16)), mtu=5, rd_atomic=8)
+    remote = QpAddress(qpn=0x44, psn=0x55, lid=6, gid=bytes(range(16, 32)), mtu=3, rd_atomic=4)
+    attr = _pyverbs.rts_attr(mods, port=1, ethernet=ethernet, gid_index=3, local=local, remote=remote, rd_atomic_out=16)
+    assert (attr.dest_qp_num, attr.rq_psn, attr.sq_psn, attr.path_mtu) == (0x44, 0x55, 0x22, 3)
+    assert (attr.max_dest_rd_atomic, attr.max_rd_atomic) == (8, 4)
+    assert attr.ah_attr.dlid == 6 and attr.ah_attr.is_global == int(ethernet)
+    if ethernet:
+        assert attr.ah_attr.dgid == _pyverbs._gid_text(remote.gid) and attr.ah_attr.sgid_index == 3
+    region = Region(view=memoryview(bytearray(64)), addr=0x1000, lkey=7, rkey=0)
+    request = _pyverbs.work_request(mods, 9, Op.READ, region, 16, 32, 0x7F00_0000_0000, 0xBEEF)
+    assert (request.wr_id, request.opcode, request.num_sge) == (9, e.ibv_wr_opcode.IBV_WR_RDMA_READ, 1)
+    assert request.send_flags == e.ibv_send_flags.IBV_SEND_SIGNALED
+
+
+def test_roce_gid_choice_prefers_routable_ipv4():
+    mods = _pyverbs_or_skip()
+    addr, e = mods[0], mods[3]
+    link_local, ipv4 = "fe80:0000:0000:0000:0211:22ff:fe33:4455", "0000:0000:0000:0000:0000:ffff:0a00:0001"
+    v1, v2 = e.ibv_gid_type_sysfs.IBV_GID_TYPE_SYSFS_IB_ROCE_V1, e.ibv_gid_type_sysfs.IBV_GID_TYPE_SYSFS_ROCE_V2
+    table = [(link_local, v1), (link_local, v2), ("0000:" * 7 + "0000", v2), (ipv4, v1), (ipv4, v2)]
+
+    class Ctx:  # a port's GID table, as Context.query_gid / query_gid_type give it
+        def query_gid(self, port, index):
+            return addr.GID(table[index][0])
+
+        def query_gid_type(self, port, index):
+            return table[index][1]
+
+    assert _pyverbs.pick_gid(mods, Ctx(), 1, len(table), ethernet=True) == (4, bytes(10) + b"\xff\xff\x0a\x00\x00\x01")
+    assert _pyverbs.pick_gid(mods, Ctx(), 1, 3, ethernet=True)[0] == 1  # no IPv4 yet: RoCE v2 still wins
+    assert _pyverbs.pick_gid(mods, Ctx(), 1, len(table), ethernet=False)[0] == 0
+    del table[:]
+    with pytest.raises(VerbsError, match="no usable GID"):
+        _pyverbs.pick_gid(mods, Ctx(), 1, 8, ethernet=True)
+
+
+# --- choosing the transport ------------------------------------------------------------------------
+
+
+def test_rdma_devices_never_raises(monkeypatch):
+    devices = rdma_devices()
+    assert isinstance(devices, list)
+    if not os.path.isdir("/sys/class/infiniband"):
+        assert devices == []
+    monkeypatch.setitem(sys.modules, "pyverbs", None)  # as if not installed
+    for name in [m for m in sys.modules if m.startswith("pyverbs.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert rdma_devices() == []
+    assert "pyverbs is not installed" in probe_rdma()[1]
+
+
+def test_auto_without_a_device_is_tcp_and_says_why(monkeypatch, caplog):
+    monkeypatch.setattr(_select, "probe", lambda: ([], "no RDMA device (test)"))
+    with caplog.at_level(logging.INFO, logger="aiturbofs.fabric"):
+        transport = open_transport("auto", "n1", SECRET, host="127.0.0.1", port=0)
+    assert isinstance(transport, TcpTransport) and transport.kind == "tcp"
+    assert "TCP transport (transport=auto): no RDMA device (test)" in caplog.text
+    with pytest.raises(ConfigError, match=r"transport=rdma: no RDMA device \(test\); see docs/rdma.md"):
+        open_transport("rdma", "n1", SECRET, host="127.0.0.1", port=0)
+    with pytest.raises(ConfigError, match="want one of auto, tcp, rdma"):
+        open_transport("infiniband", "n1", SECRET)
+    assert open_transport("tcp", "n1", SECRET).kind == "tcp"
+
+
+def test_auto_with_an_unusable_device_is_tcp(monkeypatch, caplog):
+    monkeypatch.setattr(_select, "probe", lambda: (["mlx9_0"], ""))  # listed, but it will not open here
+    with caplog.at_level(logging.INFO, logger="aiturbofs.fabric"):
+        assert open_transport("auto", "n1", SECRET).kind == "tcp"
+    assert "RDMA device mlx9_0 is there but cannot be used" in caplog.text
+    with pytest.raises(ConfigError, match="transport=rdma: RDMA transport: "):
+        open_transport("rdma", "n1", SECRET)
+    with pytest.raises(ConfigError, match="'mlx5_7' is not among the usable ones"):
+        open_transport("rdma", "n1", SECRET, device="mlx5_7")
+
+
+def test_rdma_transport_runs_on_a_given_device(caplog):
+    async def main():
+        transport = RdmaTransport("n1", SECRET, host="127.0.0.1", port=0, device=LoopbackDevice("rxe9"))
+        assert transport.kind == "rdma" and transport.device_name.startswith("rxe9")
+        async with transport:
+            pass
+        assert transport._device.closed
+
+    run(main)

@@ -1,7 +1,7 @@
 """The fabric interface: a ``Transport`` connects to and serves ``Peer``s.
 
 A transport moves chunks and small control messages between authenticated
-nodes.  Implementations (TCP, in-memory for tests, later RDMA) differ only in
+nodes.  Implementations (TCP, RDMA, in-memory for tests) differ only in
 how they reach a peer; every one passes the same conformance tests.
 
 Error contract of every ``Peer`` call:
@@ -49,6 +49,7 @@ class PeerCounters:
     chunks_sent: int = 0
     chunks_received: int = 0  # verified chunks only
     corrupt_frames: int = 0  # chunks that failed their BLAKE3 check
+    rdma_bytes: int = 0  # payload bytes (both ways, counted above too) that moved over an RDMA queue pair
 
 
 class ChunkHandler(Protocol):

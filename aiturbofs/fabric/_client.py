@@ -28,12 +28,14 @@ if TYPE_CHECKING:  # a cycle at run time: the transport creates these
 class _Call:
     """A request waiting for its reply."""
 
-    __slots__ = ("done", "reply", "error")
+    __slots__ = ("done", "reply", "error", "request_id", "sent")
 
     def __init__(self) -> None:
         self.done = trio.Event()
         self.reply: Frame | None = None
         self.error: AiturboError | None = None
+        self.request_id: int | None = None
+        self.sent = False  # the whole request frame went out: the peer may act on it
 
 
 class StreamPeer(Peer):
@@ -67,17 +69,7 @@ class StreamPeer(Peer):
         reply = await self._call(FrameType.GET_CHUNK, key, b"", timeout, {FrameType.CHUNK, FrameType.NOT_FOUND})
         if reply.type == FrameType.NOT_FOUND:
             return None
-        what = f"chunk {key.hex()[:16]}… from {self.info.node!r} at {self.info.address}"
-        try:
-            if reply.key != key:
-                raise IntegrityError(f"{what}: the reply carries key {reply.key.hex()[:16]}…")
-            await verify_chunk(reply.body, key, what, self._transport._hash_limiter)
-        except IntegrityError as e:
-            self.counters.corrupt_frames += 1
-            log.warning("fabric: dropped a corrupt chunk: %s", e)
-            raise
-        self.counters.chunks_received += 1
-        return reply.body
+        return await self._accept_chunk(key, reply.key, reply.body)
 
     async def put_chunk(self, key: bytes, data, *, timeout: float = FABRIC_CALL_TIMEOUT_S) -> bool:
         assert len(key) == HASH_BYTES, "chunk keys are 32-byte BLAKE3 digests"
@@ -110,6 +102,20 @@ class StreamPeer(Peer):
         await trio.aclose_forcefully(self._stream)
 
     # --- machinery ---------------------------------------------------------------------
+    async def _accept_chunk(self, key: bytes, reply_key: bytes, data: bytearray) -> bytearray:
+        """``data`` if it is chunk ``key``; else counted, logged and ``IntegrityError``."""
+        what = f"chunk {key.hex()[:16]}… from {self.info.node!r} at {self.info.address}"
+        try:
+            if reply_key != key:
+                raise IntegrityError(f"{what}: the reply carries key {reply_key.hex()[:16]}…")
+            await verify_chunk(data, key, what, self._transport._hash_limiter)
+        except IntegrityError as e:
+            self.counters.corrupt_frames += 1
+            log.warning("fabric: dropped a corrupt chunk: %s", e)
+            raise
+        self.counters.chunks_received += 1
+        return data
+
     def _raise(self):
         cls, message = self._failure
         raise cls(message)
@@ -137,19 +143,22 @@ class StreamPeer(Peer):
             self._fail(PeerBroken, str(e))
             self._raise()
 
-    async def _call(self, ftype: FrameType, key: bytes, body, timeout: float, expected: set[FrameType]) -> Frame:
+    async def _call(self, ftype: FrameType, key: bytes, body, timeout: float, expected: set[FrameType], call: _Call | None = None) -> Frame:
+        """Send one request and wait for its reply.  ``call`` (optional) lets the caller
+        see, even after a cancellation, whether the request went out and was answered."""
         if self._failure is not None:
             self._raise()
-        call = _Call()
+        call = call or _Call()
         try:
             with trio.fail_after(timeout):
                 async with self._slots:
                     if self._failure is not None:
                         self._raise()
-                    request_id = next(self._ids)
+                    request_id = call.request_id = next(self._ids)
                     self._calls[request_id] = call
                     try:
                         await self._send(ftype, request_id, key, body)
+                        call.sent = True
                         await call.done.wait()
                     finally:
                         self._calls.pop(request_id, None)

@@ -3,8 +3,9 @@
 ``StreamTransport`` authenticates every connection (``_auth``), then hands
 it to a ``StreamPeer`` (``_client``: we ask) or a ``ServerSession``
 (``_server``: we answer).  Chunks are verified against their BLAKE3 keys on
-receipt, on both sides.  Subclasses supply only how raw streams are made:
-``_open_stream(address)`` and ``_serve_streams``.
+receipt, on both sides.  Subclasses supply how raw streams are made:
+``_open_stream(address)`` and ``_serve_streams``; one that extends the
+protocol (RDMA) also names its own ``_peer_class`` and ``_session_class``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from ._wire import FrameReader
 
 class StreamTransport(Transport):
     """A transport whose connections are trio byte streams."""
+
+    _peer_class = StreamPeer  # what ``connect`` returns (a subclass may extend the protocol...)
+    _session_class = ServerSession  # ...and what answers a served connection
 
     def __init__(self, node: str, secret: bytes, *, in_flight_max: int = FABRIC_IN_FLIGHT_MAX):
         super().__init__(node, secret, in_flight_max=in_flight_max)
@@ -88,7 +92,7 @@ class StreamTransport(Transport):
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
-        peer = StreamPeer(self, stream, reader, PeerInfo(node, address), self._counters_for(node))
+        peer = self._peer_class(self, stream, reader, PeerInfo(node, address), self._counters_for(node))
         self._peers.add(peer)
         self._nursery.start_soon(peer._receive_loop)
         log.debug("fabric: connected to %r at %s", node, address)
@@ -124,7 +128,7 @@ class StreamTransport(Transport):
                 await send_error(stream, str(e))
                 return
             info = PeerInfo(node, address)
-            await ServerSession(self, stream, reader, info, handler, self._counters_for(node)).run()
+            await self._session_class(self, stream, reader, info, handler, self._counters_for(node)).run()
         finally:
             self._connections -= 1
             await trio.aclose_forcefully(stream)

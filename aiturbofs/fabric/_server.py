@@ -12,14 +12,22 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from .._errors import AiturboError, IntegrityError, InvalidArgument, PeerBroken
+from .._errors import AiturboError, IntegrityError, InvalidArgument, NotSupported, PeerBroken
 from .._limits import CHUNK_BYTES, FABRIC_SEND_TIMEOUT_S
 from ._base import ChunkHandler, PeerCounters, PeerInfo
 from ._streams import log, send_error, stream_errors, verify_chunk
-from ._wire import REQUESTS, Frame, FrameReader, FrameType, decode_json, encode_json, encode_message, send_frame
+from ._wire import EXTENSIONS, REQUESTS, Frame, FrameReader, FrameType, decode_json, encode_json, encode_message, send_frame
 
 if TYPE_CHECKING:  # a cycle at run time: the transport creates these
     from ._protocol import StreamTransport
+
+
+class SessionBroken(Exception):
+    """Raised while answering a request when the connection itself is no longer usable.
+
+    Not an ``AiturboError``, so it is never sent back as that request's
+    ERROR: the session ends and the client sees ``PeerBroken``.
+    """
 
 
 class ServerSession:
@@ -76,6 +84,8 @@ class ServerSession:
 
     async def _reply_to(self, frame: Frame) -> tuple[FrameType, bytes, bytes]:
         try:
+            if frame.type in EXTENSIONS:
+                return await self._extension(frame)
             if frame.type == FrameType.GET_CHUNK:
                 return await self._get(frame.key)
             if frame.type == FrameType.PUT_CHUNK:
@@ -84,8 +94,16 @@ class ServerSession:
                 return await self._control(frame.body)
             assert frame.type == FrameType.PING
             return FrameType.PONG, b"", b""
+        except SessionBroken as e:
+            raise PeerBroken(str(e)) from None
         except AiturboError as e:
             return FrameType.ERROR, b"", encode_message(f"{type(e).__name__}: {e}")
+
+    async def _extension(self, frame: Frame):
+        """A transport-extension request; this transport has none (RDMA overrides this)."""
+        if frame.type == FrameType.RDMA_CONNECT:
+            raise NotSupported(f"node {self._transport.node!r} has no RDMA (its fabric runs over {self._transport.kind})")
+        raise SessionBroken(f"{self._who} sent {frame.type.name} on a connection without RDMA")
 
     async def _get(self, key: bytes):
         data = await self._handler.get_chunk(self._info, key)

@@ -37,6 +37,7 @@ from .._limits import (
     HASH_BYTES,
     KiB,
 )
+from ._rdma_wire import ENDPOINT_BYTES, LENGTH_BYTES, PROBE_TOKEN_BYTES, SLOT_BYTES, SLOT_LENGTH_BYTES
 
 MAGIC = b"ATFB"
 VERSION = 1
@@ -68,11 +69,21 @@ class FrameType(enum.IntEnum):
     PONG = 0x31
     # a request failed (request id > 0) or the connection is being dropped (request id 0)
     ERROR = 0x3F  # message (UTF-8)
-    # 0x80-0xFF are reserved for transport extensions (e.g. RDMA queue-pair exchange).
+    # 0x80-0xFF: transport extensions, after authentication only (bodies: ``_rdma_wire``).
+    # A server without RDMA answers RDMA_CONNECT with ERROR; the others need a set-up queue pair.
+    RDMA_CONNECT = 0x80  # client: its queue-pair endpoint and the memory it lends
+    RDMA_ACCEPT = 0x81  # server: its queue-pair endpoint
+    RDMA_PROBE = 0x82  # client: a token the server RDMA-reads back from the lent probe page (reply ACK)
+    GET_CHUNK_RDMA = 0x83  # key, slot: write the chunk into that lent slot
+    CHUNK_RDMA = 0x84  # key, length: written (a small chunk comes back as a plain CHUNK instead)
+    PUT_CHUNK_RDMA = 0x85  # key, slot, length: read the chunk from that lent slot
 
 
-KEYED = frozenset({FrameType.GET_CHUNK, FrameType.CHUNK, FrameType.PUT_CHUNK})
-REQUESTS = frozenset({FrameType.GET_CHUNK, FrameType.PUT_CHUNK, FrameType.CONTROL, FrameType.PING})
+KEYED = frozenset(
+    {FrameType.GET_CHUNK, FrameType.CHUNK, FrameType.PUT_CHUNK, FrameType.GET_CHUNK_RDMA, FrameType.CHUNK_RDMA, FrameType.PUT_CHUNK_RDMA}
+)
+EXTENSIONS = frozenset({FrameType.RDMA_CONNECT, FrameType.RDMA_PROBE, FrameType.GET_CHUNK_RDMA, FrameType.PUT_CHUNK_RDMA})
+REQUESTS = frozenset({FrameType.GET_CHUNK, FrameType.PUT_CHUNK, FrameType.CONTROL, FrameType.PING}) | EXTENSIONS
 REPLIES = frozenset(
     {
         FrameType.CHUNK,
@@ -82,6 +93,8 @@ REPLIES = frozenset(
         FrameType.CONTROL_REPLY,
         FrameType.PONG,
         FrameType.ERROR,
+        FrameType.RDMA_ACCEPT,
+        FrameType.CHUNK_RDMA,
     }
 )
 
@@ -103,6 +116,12 @@ _BOUNDS = {
     FrameType.PING: (0, 0),
     FrameType.PONG: (0, 0),
     FrameType.ERROR: (0, FABRIC_MESSAGE_BYTES_MAX),
+    FrameType.RDMA_CONNECT: (ENDPOINT_BYTES, ENDPOINT_BYTES),
+    FrameType.RDMA_ACCEPT: (ENDPOINT_BYTES, ENDPOINT_BYTES),
+    FrameType.RDMA_PROBE: (PROBE_TOKEN_BYTES, PROBE_TOKEN_BYTES),
+    FrameType.GET_CHUNK_RDMA: (HASH_BYTES + SLOT_BYTES, HASH_BYTES + SLOT_BYTES),
+    FrameType.CHUNK_RDMA: (HASH_BYTES + LENGTH_BYTES, HASH_BYTES + LENGTH_BYTES),
+    FrameType.PUT_CHUNK_RDMA: (HASH_BYTES + SLOT_LENGTH_BYTES, HASH_BYTES + SLOT_LENGTH_BYTES),
 }
 assert set(_BOUNDS) == set(FrameType)
 assert max(hi for _, hi in _BOUNDS.values()) <= FABRIC_FRAME_BYTES_MAX
