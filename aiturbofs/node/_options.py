@@ -53,6 +53,7 @@ OPTIONS = {
     "debug_faults": ("flag", "allow `aiturbo debug-fault` to inject handler errors (tests only)"),
     # --- cluster mode (all nodes: the same meta=, secret_file contents and backend)
     "fabric": ("addr", "cluster mode: serve the peer fabric at HOST:PORT (port 0 picks one); needs secret_file"),
+    "transport": ("choice:auto|tcp|rdma", "fabric transport: rdma (pyverbs; docs/rdma.md), tcp, or auto (RDMA where a device exists, default)"),
     "controller": ("addr", "cluster mode: the job controller (`aiturbo controller`) at HOST:PORT; without it grouped files are placed without a round plan"),
     "meta": ("str", "shared metadata URL: postgresql://user@host:port/db, or sqlite:///path for daemons on one host (default: SQLite in state_dir)"),
     "secret_file": ("path", "cluster secret (at least 16 bytes; must not be readable by group or others)"),
@@ -93,6 +94,7 @@ class NodeConfig:
     log: str | None = None
     debug_faults: bool = False
     fabric: str | None = None
+    transport: str = "auto"
     controller: str | None = None
     meta: str | None = None
     secret_file: str | None = None
@@ -192,6 +194,7 @@ def build_config(backend: str, mountpoint: str, options: dict, *, foreground: bo
     cfg.debug_faults = options.get("debug_faults", False)
     cfg.fabric = options.get("fabric")
     cfg.controller = options.get("controller")
+    cfg.transport = options.get("transport", "auto")
     cfg.meta = options.get("meta")
     cfg.secret_file = options.get("secret_file")
     cfg.node = options.get("node") or socket.gethostname()
@@ -201,7 +204,7 @@ def build_config(backend: str, mountpoint: str, options: dict, *, foreground: bo
     if cfg.cluster and not cfg.secret_file:
         raise ConfigError("fabric= needs secret_file=: peers authenticate with the cluster secret")
     if not cfg.cluster:
-        for name in ("controller", "secret_file", "node"):
+        for name in ("controller", "secret_file", "node", "transport"):
             if options.get(name):
                 raise ConfigError(f"option {name} is for cluster mode: give fabric=HOST:PORT too")
         if cfg.replicas > 1:

@@ -22,7 +22,7 @@ from .. import meta as meta_mod
 from .._errors import AiturboError, ConfigError
 from .._limits import MALLOC_MMAP_THRESHOLD_BYTES, MALLOC_TRIM_THRESHOLD_BYTES, READ_AHEAD_KB
 from ..controller import EmbeddedController
-from ..fabric import TcpTransport, load_secret, parse_address
+from ..fabric import load_secret, open_transport, parse_address
 from ..fuse import Operations
 from ..staging import SpillStore, StagingPool
 from ..vfs import Filesystem, VfsOptions
@@ -145,7 +145,7 @@ def _cluster_node(cfg: NodeConfig, meta, pool) -> ClusterNode | None:
         return None
     secret = load_secret(cfg.secret_file)
     host, port = parse_address(cfg.fabric)
-    transport = TcpTransport(cfg.node, secret, host=host, port=port)
+    transport = open_transport(cfg.transport, cfg.node, secret, host=host, port=port)
     gbps = 1e9 / 8
     return ClusterNode(
         node=cfg.node, replicas=cfg.replicas, controller=cfg.controller, meta=meta, pool=pool, transport=transport,

@@ -249,10 +249,11 @@ class StagingPool:
         """Evict every evictable entry (``aiturbo drop-cache``); returns bytes freed."""
         freed = 0
         while True:
-            before = self.used_bytes + len(self._free) * CHUNK_BYTES
+            # used_bytes counts the recycled buffers too: what entries held is the rest
+            before = self.used_bytes - len(self._free) * CHUNK_BYTES
             if not self._evict_one():
                 break
-            freed += before - (self.used_bytes + len(self._free) * CHUNK_BYTES)
+            freed += before - (self.used_bytes - len(self._free) * CHUNK_BYTES)
         while self._free:
             self._free.pop()
             self.used_bytes -= CHUNK_BYTES
