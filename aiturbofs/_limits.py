@@ -167,3 +167,4 @@ CLUSTER_UNREACHABLE_RETRY_S = 5.0  # a peer that could not be reached is skipped
 CLUSTER_READ_WAIT_S = 3.0  # ... and a read() of it waits this long for the plan, then fetches alone
 READ_AHEAD_CHUNKS = 2  # a sequential reader has this many chunks after the current one fetched ahead
 PREFETCH_TASKS_MAX = 16  # read-ahead fetches in flight per daemon
+CLUSTER_CHAIN_PLAN_SKEW_S = 1.0  # a chunk asked for while our read plan is still coming: wait this long for it

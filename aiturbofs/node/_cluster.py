@@ -24,6 +24,7 @@ import collections
 import logging
 import socket
 import time
+from dataclasses import dataclass
 
 import blake3
 import trio
@@ -32,6 +33,7 @@ from .. import chunk
 from .._errors import AiturboError, AuthFailed, InvalidArgument, NotFound, PeerBroken, PeerClosed, RemoteError
 from .._limits import (
     CLUSTER_CHAIN_LINGER_S,
+    CLUSTER_CHAIN_PLAN_SKEW_S,
     CLUSTER_HOLD_PENDING_S,
     CLUSTER_PREFETCH_IN_FLIGHT,
     CLUSTER_READ_PLAN_WAIT_S,
@@ -64,6 +66,17 @@ def _key(text) -> bytes:
     return key
 
 
+@dataclass(frozen=True)
+class _Link:
+    """This node's place in the read chain of one chunk."""
+
+    ino: int
+    index: int
+    length: int
+    upstream: tuple[str, ...]  # predecessor first, back to the head
+    downstream: frozenset[str]  # nodes after us: they may wait on us
+
+
 class ClusterNode:
     def __init__(self, *, node: str, replicas: int, controller: str | None, meta, pool, transport: Transport,
                  send_bw: float, recv_bw: float, snic_bw: float):
@@ -84,10 +97,10 @@ class ClusterNode:
         self._holds: dict[int, set[bytes]] = {}  # inode -> replica chunks pinned here for it
         self._pending: dict[bytes, list[float]] = {}  # received chunks no hold claimed yet
         # Grouped reads: rounds joined (ino, version), a reader waiting for a round's
-        # plan, and the chunks of planned rounds: key -> (ino, index, length, predecessor, successor)
+        # plan, and this node's place in the chains of planned rounds
         self._read_rounds: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
         self._read_planned: dict[int, trio.Event] = {}
-        self._chain: dict[bytes, tuple[int, int, int, str | None, str | None]] = {}
+        self._chain: dict[bytes, _Link] = {}
         self._unreachable: dict[str, float] = {}  # peer -> when connecting to it last failed
         self._nursery = None
         self.stats = {
@@ -207,14 +220,19 @@ class ClusterNode:
         if key in self.pool.spill:
             self.stats["chunks_served"] += 1
             return await self.pool.spill.read(key)
-        entry = self._chain.get(key)
-        if entry is not None and self.fs is not None and entry[4] == peer.node:
-            # Our successor in a read chain: wait until we have it (fetching it if
-            # need be).  Only the successor waits: anyone else asking (a chain head
-            # looking in holders' DRAM) is told at once, or two nodes could wait
-            # on each other.
-            ino, index, length, _, _ = entry
-            view = await self.pool.read(key, lambda: self.fs.persister.fetch_chunk(ino, index, key, length))
+        link = self._chain.get(key)
+        if link is None and self._read_planned:
+            # a chain successor may ask before our own copy of the plan is in
+            with trio.move_on_after(CLUSTER_CHAIN_PLAN_SKEW_S):
+                for event in list(self._read_planned.values()):
+                    await event.wait()
+            link = self._chain.get(key)
+        if link is not None and self.fs is not None and peer.node in link.downstream:
+            # Further down one of our read chains: wait until we have it (fetching
+            # it if need be).  Only nodes downstream wait, and they only ever ask
+            # upstream, so no two nodes wait on each other; anyone else (a chain
+            # head looking in holders' DRAM) is answered at once.
+            view = await self.pool.read(key, lambda: self.fs.persister.fetch_chunk(link.ino, link.index, key, link.length))
             self.stats["chunks_served"] += 1
             return bytes(view)
         return None
@@ -416,10 +434,8 @@ class ClusterNode:
                             continue
                         at = chain.index(self.node)
                         length = chunk.chunk_length(request.size, index)
-                        self._chain[keys[index]] = (
-                            request.ino, index, length, chain[at - 1] if at else None,
-                            chain[at + 1] if at + 1 < len(chain) else None,
-                        )
+                        self._chain[keys[index]] = _Link(
+                            request.ino, index, length, tuple(reversed(chain[:at])), frozenset(chain[at + 1 :]))
                         mine.append((keys[index], index, length))
                 except (AttributeError, IndexError, TypeError, ValueError) as exc:
                     log.error("malformed read plan for %s from the controller: %r", request.path, exc)
@@ -438,8 +454,8 @@ class ClusterNode:
             await trio.sleep(CLUSTER_CHAIN_LINGER_S)  # successors may still be asking for them
         finally:
             for key, _, _ in mine:
-                entry = self._chain.get(key)
-                if entry is not None and entry[0] == request.ino:
+                link = self._chain.get(key)
+                if link is not None and link.ino == request.ino:
                     del self._chain[key]
 
     async def _prefetch(self, ino: int, key: bytes, index: int, length: int, limiter) -> None:
@@ -457,19 +473,21 @@ class ClusterNode:
         if planned is not None:
             with trio.move_on_after(CLUSTER_READ_WAIT_S):
                 await planned.wait()
-        entry = self._chain.get(key)
-        if entry is None or entry[3] is None:
-            return None  # not in a round, or we are the chain's head: the usual path
-        pred = entry[3]
-        try:
-            data = await (await self._peer(pred)).get_chunk(key)
-        except (*_PEER_ERRORS, AiturboError) as exc:
-            log.info("chunk %s… from chain predecessor %r: %s; fetching it elsewhere", key.hex()[:16], pred, exc)
-            return None
-        if data is None:
-            return None
-        self.stats["chunks_from_chain"] += 1
-        return bytes(data)
+        link = self._chain.get(key)
+        if link is None or link.ino != ino or not link.upstream:
+            return None  # not in a round of this file, or we are the chain's head: the usual path
+        for up in link.upstream:  # the predecessor; if it failed, the nodes before it
+            try:
+                data = await (await self._peer(up)).get_chunk(key)
+            except (*_PEER_ERRORS, AiturboError) as exc:
+                log.info("chunk %s… from chain node %r: %s", key.hex()[:16], up, exc)
+                continue
+            if data is not None:
+                self.stats["chunks_from_chain"] += 1
+                return bytes(data)
+        log.info("chunk %d of inode %d: no node up its chain (%s) had it; fetching it the usual way",
+                 link.index, ino, ", ".join(link.upstream))
+        return None
 
     def _candidates(self, ino: int, avoid: set[str]) -> list[str]:
         """Live nodes in rendezvous order for ``ino`` (a stable, spread choice)."""
