@@ -11,8 +11,9 @@ way.  The PostgreSQL server and the S3 server are the caller's (module
 scoped in ``test_cluster.py``): a cluster gets a fresh database and bucket.
 
 The nodes reach S3 through a ``CountingProxy``: a byte-counting TCP relay in
-front of moto.  It is the S3 side's own count of what the nodes sent (moto
-keeps no request log), independent of the daemons' ``persist`` metrics.
+front of moto.  It is the S3 side's own count of what the nodes sent and of
+what S3 sent back (moto keeps no request log), independent of the daemons'
+``persist`` metrics.
 
 ``FrameTamperer`` is a fabric-aware relay that flips one byte in the payload
 of the first chunk-bearing frame of a kind (see ``test_cluster`` for how a
@@ -66,15 +67,18 @@ def write_secret(path: str, secret: bytes | None = None) -> str:
 
 
 class CountingProxy:
-    """A TCP relay ``127.0.0.1:port -> target``; counts the bytes sent towards the target.
+    """A TCP relay ``127.0.0.1:port -> target``; counts the bytes that cross it each way.
 
     ``upstream_bytes`` is every byte the S3 server received through it
-    (requests, headers included); ``reset()`` zeroes it.
+    (requests, headers included); ``downstream_bytes`` every byte it sent
+    back (responses: GET bodies, headers, listings, errors).  ``reset()``
+    zeroes both.
     """
 
     def __init__(self, target_port: int):
         self.target_port = target_port
         self.upstream_bytes = 0
+        self.downstream_bytes = 0
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
         self._listener = socket.socket()
@@ -89,6 +93,7 @@ class CountingProxy:
     def reset(self) -> None:
         with self._lock:
             self.upstream_bytes = 0
+            self.downstream_bytes = 0
 
     def _accept(self) -> None:
         while not self._closed:
@@ -106,15 +111,17 @@ class CountingProxy:
             threading.Thread(target=self._pump, args=(down, up, True), daemon=True).start()
             threading.Thread(target=self._pump, args=(up, down, False), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, count: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
         try:
             while True:
                 data = src.recv(1 << 20)
                 if not data:
                     break
-                if count:
-                    with self._lock:
+                with self._lock:  # counted before it is relayed: a reader never sees bytes not yet counted
+                    if upstream:
                         self.upstream_bytes += len(data)
+                    else:
+                        self.downstream_bytes += len(data)
                 dst.sendall(data)
         except OSError:
             pass
@@ -481,6 +488,27 @@ class Cluster:
     def s3_received_bytes(self) -> int:
         """What the S3 server received through the proxy (requests, headers included)."""
         return self.proxy.upstream_bytes
+
+    def s3_sent_bytes(self) -> int:
+        """What the S3 server sent back through the proxy (GET bodies, headers, listings)."""
+        return self.proxy.downstream_bytes
+
+    def drop_cache(self, nodes=None, *, cli: bool = False) -> dict[str, int]:
+        """``aiturbo drop-cache MNT`` on each of ``nodes`` (default: the live ones); bytes freed per node.
+
+        As for ``status_of``, the daemon's control socket is asked directly
+        (the CLI prints its answer); ``cli=True`` runs the real command.
+        """
+        out = {}
+        for i in (self.live() if nodes is None else nodes):
+            m = self.nodes[i]
+            if cli:
+                reply = json.loads(aiturbo("drop-cache", m.mountpoint, timeout=30).stdout)
+            else:
+                reply = control_call(control_socket(m.mountpoint), {"cmd": "drop-cache"})
+            assert reply.get("ok"), f"drop-cache on {self.name(i)}: {reply}"
+            out[self.name(i)] = reply["freed_bytes"]
+        return out
 
     def objects(self, prefix: str = "") -> dict[str, int]:
         """Object key -> size, from the bucket itself."""

@@ -9,7 +9,11 @@ bytes only, counted both by the daemons and by a byte-counting proxy in front
 of S3); a rank-0 writer's persist spread over several nodes by the plan; a
 node killed -9 after close() loses nothing (replicas=2); a controller killed
 mid-round does not hang close(); a node with the wrong secret gets nothing;
-a chunk corrupted on the wire is rejected and fetched again elsewhere.
+a chunk corrupted on the wire is rejected and fetched again elsewhere;
+three nodes reading one cold file of a group make storage send it about once
+(the fetches spread over the readers, each chunk passed along a chain), also
+when one reader is killed -9 mid-read; an ungrouped read is served from a
+holder's DRAM rather than from storage (the S3 side counted by the proxy).
 
 Where the backend must not make a file durable yet (to prove a read was
 served from the cluster's DRAM, or that a takeover really happened), moto is
@@ -210,6 +214,7 @@ def test_close_to_open_before_and_after_durable(make_cluster):
         start = time.monotonic()
         within(30, put, c.path(0, name), data)
         close_s = time.monotonic() - start
+        s3_sent_before_reads = c.s3_sent_bytes()
         for i in (1, 2):
             path = c.path(i, name)
             assert os.stat(path).st_size == len(data), c.name(i)
@@ -218,6 +223,9 @@ def test_close_to_open_before_and_after_durable(make_cluster):
             assert len(got) == len(data) and sha(got) == sha(data), f"{c.name(i)} read other bytes before durable"
         fetched = {c.name(i): c.status(i)["cluster"]["chunks_fetched"] for i in (1, 2)}
         held = {c.name(i): c.status(i)["cluster"]["replica_files_held"] for i in (1, 2)}
+        # moto is stopped, so this mostly proves the proxy relayed nothing late: the reads were served from DRAM
+        assert c.s3_sent_bytes() == s3_sent_before_reads, (
+            f"S3 sent {c.s3_sent_bytes() - s3_sent_before_reads} bytes while nodes 1 and 2 read a staged file")
     # replicas=2: one of nodes 1 and 2 holds a replica, the other fetched every chunk from a peer
     assert sum(fetched.values()) >= 4, f"chunks fetched from peers: {fetched}; replicas held: {held}"
     durable_s = wait_durable(c, 0, [name])
@@ -572,3 +580,200 @@ def test_corrupt_chunk_frames_are_rejected_and_refetched(make_cluster, pg_server
               f"reader {c.name(r)} re-fetched the chunk from the replica; {len(puts)} put file(s) intact")
     finally:
         tamper.close()
+
+
+# ============================================================== (h) grouped read: chain broadcast
+
+READ_MODEL_BYTES = 256 * MiB  # the issue's size: 32 chunks; the whole test takes 14-23 s on two cores
+KILL_READ_BYTES = 96 * MiB  # 12 chunks: still being read when one reader is killed, and cheaper
+READERS_TIMEOUT_S = 60.0
+POOLS_SETTLE_S = 20.0  # replicas are released by a 1 s housekeeping pass once the file is durable
+
+
+def read_sha(path: str) -> tuple[int, str]:
+    """A full sequential read in 1 MiB requests: (bytes read, sha256)."""
+    digest, n = hashlib.sha256(), 0
+    with open(path, "rb", buffering=0) as f:
+        while block := f.read(MiB):
+            digest.update(block)
+            n += len(block)
+    return n, digest.hexdigest()
+
+
+def write_group_model(c: Cluster, i: int, dirname: str, job: str, readers: int, data: bytes) -> str:
+    """``dirname/model.bin`` written on node ``i`` into a group dir, durable; then tagged for ``readers``.
+
+    The directory carries only the group while the file is written (a one-writer
+    round closes after the batching window, instead of waiting for ``readers``
+    writers that never come); ``group.size`` is set afterwards, on the directory
+    and on the file itself (tags are copied at creation), before any other node
+    looks the file up.
+    """
+    group_dir(c, i, dirname, job, None)
+    name = f"{dirname}/model.bin"
+    put(c.path(i, name), data)
+    wait_durable(c, i, [name])
+    for path in (c.path(i, dirname), c.path(i, name)):
+        os.setxattr(path, GROUP_SIZE, str(readers).encode())
+    assert os.getxattr(c.path(i, name), GROUP) == job.encode()
+    return name
+
+
+def cold_pools(c: Cluster) -> dict[str, int]:
+    """Every live node's DRAM pool emptied of the data: replicas released (dirty 0), then drop-cache."""
+    deadline = time.monotonic() + POOLS_SETTLE_S
+    while True:
+        st = c.statuses()
+        busy = {c.name(i): (s["pool"]["dirty_bytes"], s["cluster"]["replica_files_held"])
+                for i, s in st.items() if s["pool"]["dirty_bytes"] or s["cluster"]["replica_files_held"]}
+        if not busy:
+            break
+        assert time.monotonic() < deadline, f"(dirty bytes, replica files held) after {POOLS_SETTLE_S} s: {busy}"
+        time.sleep(0.2)
+    freed = c.drop_cache()
+    left = {c.name(i): s["pool"]["clean_bytes"] + s["pool"]["dirty_bytes"] for i, s in c.statuses().items()}
+    assert not any(left.values()), f"bytes still in the pools after drop-cache: {left}"
+    return freed
+
+
+def start_readers(c: Cluster, nodes, name: str) -> list[Timed]:
+    """One thread per node reading ``name`` in full, released together."""
+    barrier = threading.Barrier(len(nodes))
+
+    def reader(i: int) -> tuple[int, str]:
+        barrier.wait(30)
+        return read_sha(c.path(i, name))
+
+    readers = [Timed(reader, i) for i in nodes]
+    for r in readers:
+        r.start()
+    return readers
+
+
+def read_counters(c: Cluster) -> dict[int, dict]:
+    out = {}
+    for i, s in c.statuses().items():
+        cl = s["cluster"]
+        out[i] = {"fetched": s["persist"]["bytes_fetched"], **{k: cl[k] for k in (
+            "read_rounds", "chunks_from_chain", "chunks_prefetched", "chunks_served", "chunks_fetched")}}
+    return out
+
+
+def delta(after: dict[int, dict], before: dict[int, dict]) -> dict[int, dict]:
+    return {i: {k: v - before[i][k] for k, v in a.items()} for i, a in after.items() if i in before}
+
+
+def test_grouped_read_fetches_each_chunk_once(make_cluster):
+    """Three nodes read one cold file of a group: storage sends it about once, the fetches are spread."""
+    c = make_cluster()
+    data = os.urandom(READ_MODEL_BYTES)
+    want = (len(data), sha(data))
+    name = write_group_model(c, 0, "model", "job-read", 3, data)
+    freed = cold_pools(c)
+    before, s3_before = read_counters(c), c.s3_sent_bytes()
+    start = time.monotonic()
+    readers = start_readers(c, range(3), name)
+    got = {c.name(i): r.outcome(READERS_TIMEOUT_S) for i, r in enumerate(readers)}
+    wall_s = time.monotonic() - start
+    s3_sent = c.s3_sent_bytes() - s3_before
+    d = delta(read_counters(c), before)
+    plans = {c.name(i): c.status(i)["cluster"]["last_read_plan"] for i in range(3)}
+    size = len(data)
+    print(f"\n[h] drop-cache reported freed_bytes {({n: b >> 20 for n, b in freed.items()})} MiB; 3 readers of {size >> 20} MiB "
+          f"in {wall_s:.2f} s (each {', '.join(f'{r.elapsed_s:.2f}' for r in readers)} s)")
+    print(f"[h] S3 sent {s3_sent / MiB:.1f} MiB = {s3_sent / size:.3f}x the file; per node "
+          f"{({c.name(i): v for i, v in d.items()})}")
+    print(f"[h] read plans: {plans}")
+    for node, outcome in got.items():
+        assert outcome == want, f"{node} read {outcome[0]} bytes, other bytes than written"
+    for i in range(3):
+        assert d[i]["read_rounds"] == 1, f"{c.name(i)} joined {d[i]['read_rounds']} read rounds\n{c.logs()}"
+        assert plans[c.name(i)]["readers"] == 3, plans
+    assert size <= s3_sent <= 1.25 * size, (
+        f"S3 sent {s3_sent} bytes for 3 readers of a {size}-byte file ({s3_sent / size:.2f}x; want 1.0-1.25x)")
+    fetched = {c.name(i): d[i]["fetched"] for i in range(3)}
+    assert all(0.15 * size <= b <= 0.55 * size for b in fetched.values()), (
+        f"storage fetches per node {fetched} not balanced (want 0.15-0.55x of {size} each)")
+    chained = [c.name(i) for i in range(3) if d[i]["chunks_from_chain"] > 0]
+    assert len(chained) >= 2, f"only {chained} took chunks from a chain predecessor: {d}"
+    assert_clean(c)
+
+
+def test_grouped_read_survives_a_reader_killed_mid_chain(make_cluster):
+    """kill -9 of one of three grouped readers right after it served its first chunk: the others finish."""
+    c = make_cluster()
+    data = os.urandom(KILL_READ_BYTES)
+    want = (len(data), sha(data))
+    name = write_group_model(c, 0, "model", "job-kill", 3, data)
+    cold_pools(c)
+    served_before = c.status(1)["cluster"]["chunks_served"]
+    readers = start_readers(c, range(3), name)
+    deadline = time.monotonic() + 30
+    while c.status(1)["cluster"]["chunks_served"] == served_before:
+        assert time.monotonic() < deadline, f"n1 served no chunk in 30 s\n{c.logs()}"
+        assert readers[1].is_alive(), f"n1 read the whole file before serving a chunk: {readers[1].error!r}"
+        time.sleep(0.02)
+    c.kill_node(1)
+    killed_at = time.monotonic()
+    progress = {c.name(i): readers[i].is_alive() for i in (0, 2)}
+    s3_before = c.s3_sent_bytes()  # (what n1 fetched before it died is not counted below)
+    survivors = {}
+    for i in (0, 2):
+        survivors[c.name(i)] = readers[i].outcome(READERS_TIMEOUT_S)
+    finish_s = time.monotonic() - killed_at
+    readers[1].join(10)
+    n1 = "still reading" if readers[1].is_alive() else repr(readers[1].error) if readers[1].error else "finished"
+    st = read_counters(c)
+    s3_sent = c.s3_sent_bytes() - s3_before
+    print(f"\n[i] n1 killed -9 after serving its first chunk (survivors still reading: {progress}); "
+          f"survivors finished {finish_s:.2f} s later; n1's own reader: {n1}")
+    print(f"[i] survivors: {({c.name(i): st[i] for i in (0, 2)})}; S3 sent {s3_sent / MiB:.1f} MiB after the kill")
+    for node, outcome in survivors.items():
+        assert outcome == want, f"{node} read {outcome[0]} bytes, other bytes than written"
+    # each survivor takes a chunk from storage at most once, however its chain broke
+    assert s3_sent <= 2.1 * len(data), f"S3 sent {s3_sent} bytes to two readers of {len(data)} bytes"
+    assert_clean(c)
+
+
+def test_ungrouped_read_comes_from_a_holders_dram(make_cluster):
+    """The distributed cache: a node reads a durable file from a holder's DRAM, not from storage."""
+    c = make_cluster(node_options=NO_REIMPORT)
+    prime_listings(c)
+    data = os.urandom(4 * CHUNK + 999)
+    want = (len(data), sha(data))
+    name = "cached.bin"
+    with frozen_s3(c):  # the replica stays held, so its holder can be told apart
+        within(30, put, c.path(0, name), data)
+        held = {i: c.status(i)["cluster"]["replica_files_held"] for i in (1, 2)}
+    assert sorted(held.values()) == [0, 1], f"replica holders of {name}: {held}"
+    holder = max(held, key=held.get)
+    other = 3 - holder
+    wait_durable(c, 0, [name])
+    cold_pools(c)
+
+    s3_before, fetched_before = c.s3_sent_bytes(), c.status(holder)["persist"]["bytes_fetched"]
+    assert within(30, read_sha, c.path(holder, name)) == want, f"{c.name(holder)} read other bytes"
+    first = c.s3_sent_bytes() - s3_before
+    from_storage = c.status(holder)["persist"]["bytes_fetched"] - fetched_before
+    assert len(data) <= first <= 1.10 * len(data), f"first read: S3 sent {first} bytes for {len(data)}"
+    assert from_storage == len(data), f"{c.name(holder)} fetched {from_storage} bytes from storage"
+
+    c.drop_cache([other], cli=True)  # the real `aiturbo drop-cache MNT`
+    s3_before, before = c.s3_sent_bytes(), c.status(other)
+    assert within(30, read_sha, c.path(other, name)) == want, f"{c.name(other)} read other bytes"
+    second = c.s3_sent_bytes() - s3_before
+    after = c.status(other)
+    from_peers = after["cluster"]["chunks_fetched"] - before["cluster"]["chunks_fetched"]
+    from_storage = after["persist"]["bytes_fetched"] - before["persist"]["bytes_fetched"]
+    print(f"\n[j] holders n0 (dropped) and {c.name(holder)}; {c.name(holder)} read {len(data) >> 20} MiB from S3 "
+          f"({first / len(data):.3f}x sent); then {c.name(other)} read it: {from_peers} chunks from peers' DRAM, "
+          f"{from_storage} bytes from storage, S3 sent {second} bytes")
+    assert second < 0.25 * len(data), f"S3 sent {second} bytes for the second read of a {len(data)}-byte file"
+    assert from_peers >= 5 and from_storage == 0, (from_peers, from_storage)
+    assert_clean(c)
+    # Last, so that a failure here does not hide the checks above: drop-cache
+    # reports the bytes it freed, i.e. the node's clean bytes before it ran.
+    cached = c.status(other)["pool"]["clean_bytes"]
+    freed = c.drop_cache([other])[c.name(other)]
+    assert c.status(other)["pool"]["clean_bytes"] == 0
+    assert freed == cached, f"drop-cache on {c.name(other)} reported {freed} bytes freed; it held {cached} clean bytes"
