@@ -777,3 +777,34 @@ def test_ungrouped_read_comes_from_a_holders_dram(make_cluster):
     freed = c.drop_cache([other])[c.name(other)]
     assert c.status(other)["pool"]["clean_bytes"] == 0
     assert freed == cached, f"drop-cache on {c.name(other)} reported {freed} bytes freed; it held {cached} clean bytes"
+
+
+# ============================================================== KV-cache files with shared prefixes
+
+
+def test_kv_cache_files_with_a_shared_prefix_upload_it_once(make_cluster):
+    """Agent KV-cache files: one node writes files that share a (chunk-aligned)
+    system-prompt prefix; the prefix is uploaded once (later files copy it
+    server-side from the first durable one) and other nodes read them all."""
+    c = make_cluster()
+    group_dir(c, 0, "kv", "kv-cache", None)
+    prefix = os.urandom(CHUNK)
+    first = prefix + os.urandom(MiB // 2)
+    put(c.path(0, "kv", "s0.kv"), first)
+    wait_durable(c, 0, ["kv/s0.kv"])
+    before = c.s3_received_bytes()
+    files = {f"s{i}.kv": prefix + os.urandom(MiB // 2 + i) for i in range(1, 5)}
+    for name, data in files.items():
+        put(c.path(0, "kv", name), data)
+    wait_durable(c, 0, [f"kv/{n}" for n in files])
+    sent = c.s3_received_bytes() - before
+    tails = sum(len(d) - CHUNK for d in files.values())
+    copied = sum(c.status(i)["persist"]["bytes_copied"] for i in c.live())
+    assert copied >= len(files) * CHUNK, f"only {copied} bytes copied server-side"
+    assert sent <= 1.10 * tails + 64 * 1024, f"S3 received {sent} bytes for {tails} new bytes (the prefix again?)"
+    for name, data in {"s0.kv": first, **files}.items():
+        assert sha(get(c.path(2, "kv", name))) == sha(data), f"{name} differs on n2"
+        assert sha(c.get_object(f"kv/{name}")) == sha(data), f"{name} differs in the bucket"
+    assert_clean(c)
+    print(f"\n[kv] 4 files of {CHUNK >> 20} MiB shared prefix + ~0.5 MiB: S3 received {sent / MiB:.2f} MiB "
+          f"for {tails / MiB:.2f} MiB of new bytes; {copied / MiB:.0f} MiB copied server-side")
