@@ -577,3 +577,45 @@ def test_cli_serves_nodes_and_stops_on_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ================================================================ read rounds
+
+
+def test_read_round_fetches_each_chunk_once_and_chains_every_reader():
+    from aiturbofs.controller._reads import ReadRoundKeeper
+
+    async def main():
+        keeper = ReadRoundKeeper(FakeMeta(), members(3), backend_bw=10 * GB)
+        labels = [f"m{i}" for i in range(12)]
+        bodies = [body(n, labels, group="load", group_size=3, ino=7) for n in ("n1", "n2", "n3")]
+        for b in bodies:
+            b["op"] = "read_report"
+        answers = await report_all(keeper, bodies)
+        fetch = answers[0]["fetch_bytes"]
+        assert sum(fetch.values()) == 12 * CHUNK_BYTES  # every unique chunk from storage exactly once
+        assert sorted(fetch.values()) == [4 * CHUNK_BYTES] * 3  # spread evenly over the readers' S-NICs
+        for a in answers:
+            assert a["readers"] == 3 and a["files"] == 3
+            for idx, chain in a["chains"].items():
+                assert sorted(chain) == ["n1", "n2", "n3"], (idx, chain)
+        heads = collections.Counter(chain[0] for chain in answers[0]["chains"].values())
+        assert heads == {"n1": 4, "n2": 4, "n3": 4}
+
+    run(main)
+
+
+def test_read_round_head_is_a_reader_that_has_the_chunk():
+    from aiturbofs.controller._reads import ReadRoundKeeper
+
+    async def main():
+        keeper = ReadRoundKeeper(FakeMeta(), members(2), backend_bw=10 * GB)
+        bodies = [body(n, ["a", "b", "c"], group="load", group_size=2, ino=9) for n in ("n1", "n2")]
+        for b in bodies:
+            b["op"] = "read_report"
+        bodies[1]["file"]["have"] = [0, 1, 2]  # n2 wrote it: all in its DRAM
+        answers = await report_all(keeper, bodies)
+        assert answers[0]["fetch_bytes"] == {}  # nothing from storage
+        assert all(chain == ["n2", "n1"] for chain in answers[0]["chains"].values())
+
+    run(main)

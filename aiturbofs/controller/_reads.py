@@ -63,11 +63,7 @@ class ReadRoundKeeper(RoundKeeper):
         return answers
 
     def _record(self, group: str, a: dict) -> None:
-        g = self._group(group)
-        g.rounds += 1
-        g.files += a["files"]
-        g.bytes += a["total_bytes"]
-        g.unique_bytes += a["unique_bytes"]
+        g = self._count(group, a)
         g.last = {"round": a["round"], "readers": a["readers"], "fetch_bytes": a["fetch_bytes"]}
         log.info("read round %s: %d files on %d readers, %d bytes, %d unique; storage fetches %s",
                  a["round"], a["files"], a["readers"], a["total_bytes"], a["unique_bytes"], a["fetch_bytes"])

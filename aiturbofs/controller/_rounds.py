@@ -312,12 +312,17 @@ class RoundKeeper:
                             "persist": persist, "copy": copy, "wait": wait}
         return answers
 
-    def _record(self, group: str, a: dict) -> None:
+    def _count(self, group: str, a: dict) -> GroupStats:
+        """Add a planned round (its first answer, ``a``) to its group's figures."""
         g = self._group(group)
         g.rounds += 1
         g.files += a["files"]
         g.bytes += a["total_bytes"]
         g.unique_bytes += a["unique_bytes"]
+        return g
+
+    def _record(self, group: str, a: dict) -> None:
+        g = self._count(group, a)
         g.durable_bytes += a["durable_bytes"]
         g.last = {k: a[k] for k in ("round", "lp_bound_s", "makespan_s", "plan_s", "cached")}
         log.info("round %s: %d files, %d bytes, %d unique, %d durable; plan %.3f s (bound %.3f s), solved in %.3f s%s",

@@ -32,7 +32,7 @@ IGNORED = {
     "relatime", "norelatime", "diratime", "nodiratime", "loud", "silent",
 }
 
-# name -> (kind, help); kind in: size, float, str, path, flag, choice:a|b
+# name -> (kind, help); kind in: size, float (seconds), int, rate (Gbit/s), addr (HOST:PORT), str, path, flag, choice:a|b
 OPTIONS = {
     "dram": ("size", "DRAM staging pool budget, e.g. 64G (default: a quarter of RAM)"),
     "spill": ("path", "local disk dir: staged chunks are copied there in the background (crash-safe) and dropped from DRAM under pressure"),
