@@ -1,0 +1,94 @@
+"""Smoke test of the emulated-cluster benchmark (benchmarks/testbed.py).
+
+Runs the script for real, with 2 nodes, small files and high link rates so
+it is quick, and checks that it builds the namespaces, runs one tiny DP
+scenario to the end, and tears everything down: no namespace with the run's
+prefix, no mount under its directory, no registry entry left.  Skipped when
+not root, when PostgreSQL or moto is missing, or when this machine does not
+allow ``ip netns add`` (many CI containers do not).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTBED = os.path.join(REPO, "benchmarks", "testbed.py")
+SMOKE_TIMEOUT_S = 120.0
+
+
+def _skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, tc, FUSE mounts)"
+    for tool in ("ip", "nsenter", "tc", "fusermount3", "curl"):
+        if shutil.which(tool) is None:
+            return f"{tool} not installed"
+    if not os.access("/usr/lib/postgresql/15/bin/pg_ctl", os.X_OK):
+        return "PostgreSQL 15 not installed (apt-get install postgresql)"
+    probe = f"atb-probe{secrets.token_hex(3)}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        return f"`ip netns add` not permitted here: {r.stderr.strip()}"
+    try:
+        for cmd in (["ip", "link", "add", "v0", "type", "veth", "peer", "name", "v1"],
+                    ["tc", "qdisc", "add", "dev", "v0", "root", "tbf", "rate", "1mbit", "burst", "32kbit", "latency", "50ms"]):
+            r = subprocess.run(["ip", "netns", "exec", probe, *cmd], capture_output=True, text=True, check=False)
+            if r.returncode != 0:
+                return f"`{' '.join(cmd[:3])}` not permitted in a namespace here: {r.stderr.strip()}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
+    return None
+
+
+def _leftovers(run_id: str) -> list[str]:
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    left = [line.split()[0] for line in ns.splitlines() if line.startswith(f"atb-{run_id}-")]
+    with open("/proc/self/mountinfo") as f:
+        left += [line.split()[4] for line in f if f"/tmp/atb-{run_id}" in line.split()[4]]
+    if os.path.exists(f"/tmp/atb-{run_id}"):
+        left.append(f"/tmp/atb-{run_id}")
+    if os.path.exists(f"/run/aiturbo-testbed/{run_id}.json"):
+        left.append(f"/run/aiturbo-testbed/{run_id}.json")
+    return left
+
+
+def test_testbed_smoke_builds_runs_and_tears_down():
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    run_id = f"t{secrets.token_hex(2)}"
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(
+            [sys.executable, TESTBED, "--nodes", "2", "--size-mib", "8", "--shard-mib", "8",
+             "--fabric-mbit", "4000", "--storage-mbit", "2000", "--backend-mbit", "4000",
+             "--check-s", "0.5", "--run-id", run_id],
+            capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, cwd=REPO, check=False,
+        )
+    finally:
+        left = _leftovers(run_id)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-6000:]
+    assert not left, f"teardown left {left}\n{out[-3000:]}"
+    assert f"testbed {run_id}: torn down" in p.stdout
+    for mode in ("sync_close", "plain", "grouped"):
+        assert f"| {mode} |" in p.stdout, out[-3000:]
+    assert "fabric n0->n1" in p.stdout and "backend all 2->s3" in p.stdout
+    assert time.monotonic() - t0 < SMOKE_TIMEOUT_S
+
+
+def test_testbed_preflight_refuses_non_root(monkeypatch):
+    """Not root: a clear error before anything is built (what main() prints, exit code 2)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import _netns
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(_netns.TestbedError, match="must run as root"):
+        _netns.preflight("atb-never-made")
