@@ -128,10 +128,19 @@ def shape(ns: str, ifname: str, mbit: float) -> None:
        "rate", f"{mbit:g}mbit", "burst", str(burst), "latency", "50ms")
 
 
+def _link_bytes(ns: str, ifname: str, direction: str) -> int:
+    info = json.loads(sh("ip", "-n", ns, "-s", "-j", "link", "show", ifname))
+    return int(info[0]["stats64"][direction]["bytes"])
+
+
 def rx_bytes(ns: str, ifname: str) -> int:
     """Bytes received on ``ifname`` in ``ns`` (kernel interface counter)."""
-    info = json.loads(sh("ip", "-n", ns, "-s", "-j", "link", "show", ifname))
-    return int(info[0]["stats64"]["rx"]["bytes"])
+    return _link_bytes(ns, ifname, "rx")
+
+
+def tx_bytes(ns: str, ifname: str) -> int:
+    """Bytes sent on ``ifname`` in ``ns`` (kernel interface counter)."""
+    return _link_bytes(ns, ifname, "tx")
 
 
 # ============================================================== stale runs

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""An emulated N-node aiturbofs cluster on this host, shaped with tc, and the DP-replica scenario on it.
+"""An emulated N-node aiturbofs cluster on this host, shaped with tc, and checkpoint scenarios on it.
 
     sudo python benchmarks/testbed.py [--nodes 4] [--fabric-mbit 2000] [--storage-mbit 250]
-                                      [--backend-mbit 1000] [--size-mib 64] [--shard-mib 16] [--scenario dp] [--keep]
+                                      [--backend-mbit 1000] [--size-mib 64] [--shard-mib 16]
+                                      [--scenario dp|rank0|sharded|read[,...]|all] [--keep]
 
 Topology (one run id per run: every namespace is ``atb-<run>-*``; all of it is
 removed at exit, also on failure, Ctrl-C and SIGTERM, and leftovers of
@@ -38,13 +39,37 @@ uploaded by its writer) and ``grouped`` (``user.aiturbo.group`` with
 writer, time until all files are durable, bytes the S3 namespace received
 (the kernel counter of its only interface) over the unique bytes, and the
 plan's LP bound and makespan (``aiturbo status --json``: cluster.last_plan).
-Results: benchmarks/results/testbed-<time>.{md,json}.  Must run as root.
+
+Scenario ``rank0``: one node writes the whole checkpoint (--size-mib times
+the nodes), modes as for ``dp`` with ``group.size`` = 1: a plain writer
+uploads over its own storage link, a grouped one lets the plan spread the
+upload over every node's (reported: MiB uploaded per node, LP bound).
+
+Scenario ``sharded``: every node writes a unique --size-mib shard, nothing to
+deduplicate; ``plain`` vs ``grouped`` (``group.size`` = nodes) shows what the
+plan alone buys.
+
+Scenario ``read``: one --size-mib model file written and made durable; then
+for N = 1, 2, 4, ... up to the nodes: every pool emptied (once no pool holds
+a dirty byte, ``aiturbo drop-cache`` on each node), a fresh ``cp`` of the
+file inside the mount into a group directory, durable, ``group.size`` = N,
+pools emptied again, and N nodes read it at once.  Reported: time until all
+finished (each checks its sha256), bytes the S3 namespace sent (the kernel
+counter of its only interface), each node's ``persist.bytes_fetched``, and
+time(N)/time(1).
+
+``--scenario`` takes a comma list or ``all``; the write-through modes share
+one cluster mounted with -o sync_close, everything else one without.  Each
+scenario prints its own table; all go into one results file:
+benchmarks/results/testbed-<time>.{md,json}.  Must run as root.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import hashlib
+import json
 import os
 import secrets
 import shutil
@@ -76,6 +101,8 @@ NODE_START_TIMEOUT_S = 90.0  # N daemons importing trio, s3fs, psycopg at once o
 JOIN_TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 300.0
 DURABLE_TIMEOUT_S = 900.0
+SETTLE_TIMEOUT_S = 60.0  # replicas are released by a 1 s housekeeping pass once a file is durable
+READ_TIMEOUT_S = 600.0
 MAX_NODES = 200
 
 
@@ -318,6 +345,17 @@ class Testbed:
     def s3_rx_bytes(self) -> int:
         return nn.rx_bytes(self.s3_ns, "sto")
 
+    def aiturbo(self, *args: str) -> str:
+        """The stdout of the operator's command ``aiturbo ARGS`` (run from this repo)."""
+        p = subprocess.run([sys.executable, "-m", "aiturbofs.cli.main", *args], capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONPATH=h.REPO), timeout=60, check=False)
+        if p.returncode != 0:
+            raise nn.TestbedError(f"aiturbo {' '.join(args)} failed ({p.returncode}): {p.stderr.strip()[-500:]}")
+        return p.stdout
+
+    def s3_tx_bytes(self) -> int:
+        return nn.tx_bytes(self.s3_ns, "sto")
+
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
         """Remove everything this run made; idempotent, never raises."""
@@ -348,7 +386,13 @@ class Testbed:
             print(f"testbed {self.run_id}: torn down", flush=True)
 
 
-# ============================================================== scenario: DP replicas
+# ============================================================== write scenarios: DP replicas, rank 0, shards
+
+GROUP, GROUP_SIZE = "user.aiturbo.group", "user.aiturbo.group.size"
+SCENARIOS = ("dp", "rank0", "sharded", "read")  # the order they run and print in
+WRITE_MODES = {"dp": ("sync_close", "plain", "grouped"), "rank0": ("sync_close", "plain", "grouped"),
+               "sharded": ("plain", "grouped")}
+
 
 def write_file(path: str, parts: list[bytes], out: dict) -> None:
     t0 = time.monotonic()
@@ -359,52 +403,188 @@ def write_file(path: str, parts: list[bytes], out: dict) -> None:
     out[path] = time.monotonic() - t0  # open + writes + close()
 
 
-def run_dp(tb: Testbed, mode: str, step: int) -> dict:
-    # Fresh bytes every run: chunks left in the pools or the bucket by an
-    # earlier run would be deduplicated against and flatter the later mode.
-    model = os.urandom(tb.args.size_mib * MiB)
-    shards = [os.urandom(tb.args.shard_mib * MiB) for _ in range(tb.n)]
-    d = f"dp-{mode}-{step}"
+def write_layout(tb: Testbed, scenario: str) -> tuple[list[tuple[int, list[bytes]]], int, int]:
+    """Who writes what in one round: [(node, parts of its file)], the group's size, the unique bytes.
+
+    Fresh bytes every round: chunks left in the pools or the bucket by an
+    earlier round would be deduplicated against and flatter the later mode.
+    """
+    a = tb.args
+    if scenario == "dp":  # the same model state on every node, then a shard of its own
+        model = os.urandom(a.size_mib * MiB)
+        shards = [os.urandom(a.shard_mib * MiB) for _ in range(tb.n)]
+        return [(i, [model, shards[i]]) for i in range(tb.n)], tb.n, len(model) + sum(map(len, shards))
+    if scenario == "rank0":  # one writer, the whole checkpoint: only the plan can spread its upload
+        checkpoint = os.urandom(a.size_mib * MiB * tb.n)
+        return [(0, [checkpoint])], 1, len(checkpoint)
+    shards = [os.urandom(a.size_mib * MiB) for _ in range(tb.n)]  # sharded: nothing to dedup
+    return [(i, [shards[i]]) for i in range(tb.n)], tb.n, sum(map(len, shards))
+
+
+def run_write(tb: Testbed, scenario: str, mode: str, step: int) -> dict:
+    layout, group_size, unique = write_layout(tb, scenario)
+    d = f"{scenario}-{mode}-{step}"
     os.mkdir(os.path.join(tb.mounts[0], d))
     if mode == "grouped":
-        os.setxattr(os.path.join(tb.mounts[0], d), "user.aiturbo.group", f"dp{step}".encode())
-        os.setxattr(os.path.join(tb.mounts[0], d), "user.aiturbo.group.size", str(tb.n).encode())
+        os.setxattr(os.path.join(tb.mounts[0], d), GROUP, f"{scenario}{step}".encode())
+        os.setxattr(os.path.join(tb.mounts[0], d), GROUP_SIZE, str(group_size).encode())
     time.sleep(1.1)  # the other nodes' kernels see the new directory (attribute timeout)
-    paths = [os.path.join(tb.mounts[i], d, f"rank{i}.bin") for i in range(tb.n)]
+    paths = [os.path.join(tb.mounts[i], d, f"rank{i}.bin") for i, _parts in layout]
     rx0, up0, cpu0 = tb.s3_rx_bytes(), tb.uploaded_bytes(), tb.moto_cpu_s()
     closes: dict = {}
-    threads = [threading.Thread(target=write_file, args=(p, [model, shards[i]], closes)) for i, p in enumerate(paths)]
+    threads = [threading.Thread(target=write_file, args=(p, parts, closes)) for p, (_i, parts) in zip(paths, layout)]
     t0 = time.monotonic()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    if len(closes) != tb.n:
-        raise RuntimeError(f"{tb.n - len(closes)} writer(s) failed in {mode}")
+    if len(closes) != len(layout):
+        raise RuntimeError(f"{len(layout) - len(closes)} writer(s) failed in {scenario} {mode}")
     wrote_s = time.monotonic() - t0
     durable_s = h.wait_durable(paths, DURABLE_TIMEOUT_S) + wrote_s
     s3_rx = tb.s3_rx_bytes() - rx0
     moto_cpu_s = tb.moto_cpu_s() - cpu0
     uploaded = {n: b - up0.get(n, 0) for n, b in tb.uploaded_bytes().items()}
-    plan = tb.status(0)["cluster"]["last_plan"] if mode == "grouped" else None
-    unique = len(model) + sum(len(s) for s in shards)
-    return {"mode": mode, "step": step, "close_s": max(closes.values()), "durable_s": durable_s,
-            "s3_rx_bytes": s3_rx, "uploaded_by_node": uploaded, "moto_cpu_s": moto_cpu_s, "unique_bytes": unique, "written_bytes": tb.n * len(model) + unique - len(model),
-            "lp_bound_s": plan and plan.get("lp_bound_s"), "makespan_s": plan and plan.get("makespan_s"), "plan": plan}
+    plan = tb.status(layout[0][0])["cluster"]["last_plan"] if mode == "grouped" else None
+    written = sum(len(p) for _i, parts in layout for p in parts)
+    return {"scenario": scenario, "mode": mode, "step": step, "close_s": max(closes.values()), "durable_s": durable_s,
+            "s3_rx_bytes": s3_rx, "uploaded_by_node": uploaded, "moto_cpu_s": moto_cpu_s, "unique_bytes": unique,
+            "written_bytes": written, "lp_bound_s": plan and plan.get("lp_bound_s"),
+            "makespan_s": plan and plan.get("makespan_s"), "plan": plan}
 
 
-def scenario_dp(tb: Testbed, repeat: int) -> list[dict]:
+# ============================================================== read scenario: N readers of one model file
+
+def drop_caches(tb: Testbed) -> None:
+    """Once no pool holds a dirty byte (replicas released), ``aiturbo drop-cache`` on every node."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while True:
+        busy = {f"n{i}": s["pool"]["dirty_bytes"] for i in tb.mounts if (s := tb.status(i))["pool"]["dirty_bytes"]
+                or s["cluster"]["replica_files_held"]}
+        if not busy:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"pools still hold dirty bytes after {SETTLE_TIMEOUT_S:.0f} s: {busy}")
+        time.sleep(0.2)
+    for mnt in tb.mounts.values():
+        reply = json.loads(tb.aiturbo("drop-cache", mnt))
+        if not reply.get("ok"):
+            raise RuntimeError(f"aiturbo drop-cache {mnt}: {reply}")
+    left = {f"n{i}": tb.status(i)["pool"]["clean_bytes"] for i in tb.mounts}
+    if any(left.values()):
+        raise RuntimeError(f"bytes left in the pools after drop-cache: {left}")
+
+
+def read_sha(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while block := f.read(MiB):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def reader_counts(nodes: int) -> list[int]:
+    """1, 2, 4, ... up to ``nodes``, and ``nodes`` itself."""
+    counts = [n for n in (1 << k for k in range(nodes.bit_length())) if n <= nodes]
+    return counts if counts[-1] == nodes else [*counts, nodes]
+
+
+def prepare_copy(tb: Testbed, source: str, n: int, step: int) -> str:
+    """A durable ``cp`` of ``source`` in a fresh group directory with ``group.size`` = n; its name.
+
+    ``group.size`` is set once the copy is durable: the copy has one writer,
+    and a size of n would keep its write round waiting for n - 1 more.
+    A fresh copy per N: a node joins a file's read round once per version.
+    """
+    d = os.path.join(tb.mounts[0], f"read-{n}-{step}")
+    os.mkdir(d)
+    os.setxattr(d, GROUP, f"load{n}-{step}".encode())
+    name = os.path.join(os.path.basename(d), "model.bin")
+    nn.sh("cp", os.path.join(tb.mounts[0], source), os.path.join(tb.mounts[0], name), timeout=DURABLE_TIMEOUT_S)
+    h.wait_durable([os.path.join(tb.mounts[0], name)], DURABLE_TIMEOUT_S)
+    for p in (d, os.path.join(tb.mounts[0], name)):
+        os.setxattr(p, GROUP_SIZE, str(n).encode())
+    return name
+
+
+def run_read(tb: Testbed, source: str, want: str, n: int, step: int) -> dict:
+    drop_caches(tb)
+    name = prepare_copy(tb, source, n, step)
+    drop_caches(tb)
+    time.sleep(1.1)  # the other nodes' kernels see the new directory (attribute timeout)
+    fetched0, tx0 = {f"n{i}": tb.status(i)["persist"]["bytes_fetched"] for i in tb.mounts}, tb.s3_tx_bytes()
+    barrier = threading.Barrier(n + 1)
+    done: dict[int, object] = {}
+
+    def reader(i: int) -> None:
+        barrier.wait()
+        try:
+            done[i] = (read_sha(os.path.join(tb.mounts[i], name)), time.monotonic())
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            done[i] = exc
+
+    threads = [threading.Thread(target=reader, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.monotonic()
+    for t in threads:
+        t.join(READ_TIMEOUT_S)
+    if any(t.is_alive() for t in threads):
+        raise RuntimeError(f"read N={n}: readers still running after {READ_TIMEOUT_S:.0f} s")
+    failed = {i: r for i, r in done.items() if isinstance(r, BaseException)}
+    if failed:
+        raise RuntimeError(f"read N={n}: readers failed: {failed!r}")
+    for i in range(n):
+        if done[i][0] != want:
+            raise RuntimeError(f"read N={n}: n{i} read other bytes")
+    wall_s = max(done[i][1] for i in range(n)) - t0
+    s3_tx = tb.s3_tx_bytes() - tx0
+    fetched = {f"n{i}": tb.status(i)["persist"]["bytes_fetched"] - fetched0[f"n{i}"] for i in tb.mounts}
+    planned = tb.status(0)["cluster"]["last_read_plan"]
+    return {"scenario": "read", "mode": "grouped", "step": step, "readers": n, "file_bytes": tb.args.size_mib * MiB,
+            "wall_s": wall_s, "s3_tx_bytes": s3_tx, "fetched_by_node": fetched,
+            "planned_fetch_by_node": planned and planned.get("fetch_bytes")}
+
+
+def scenario_read(tb: Testbed, step: int) -> list[dict]:
+    data = os.urandom(tb.args.size_mib * MiB)
+    want = hashlib.sha256(data).hexdigest()
+    source = f"models-{step}/model.bin"
+    os.mkdir(os.path.join(tb.mounts[0], os.path.dirname(source)))
+    write_file(os.path.join(tb.mounts[0], source), [data], {})
+    h.wait_durable([os.path.join(tb.mounts[0], source)], DURABLE_TIMEOUT_S)
     results = []
-    for sync_close, modes in ((True, ["sync_close"]), (False, ["plain", "grouped"])):
+    for n in reader_counts(tb.n):
+        r = run_read(tb, source, want, n, step)
+        results.append(r)
+        print(f"  read N={n}: {r['wall_s']:.2f} s, S3 tx {r['s3_tx_bytes'] / MiB:.1f} MiB, fetched "
+              + " ".join(f"{k}:{v / MiB:.0f}" for k, v in sorted(r["fetched_by_node"].items())) + " MiB", flush=True)
+    return results
+
+
+# ============================================================== running the scenarios
+
+def run_scenarios(tb: Testbed, scenarios: list[str], repeat: int) -> dict[str, list[dict]]:
+    """Every selected scenario; one cluster with -o sync_close for the write-through modes, one without for the rest."""
+    results: dict[str, list[dict]] = {s: [] for s in scenarios}
+    writes = [s for s in scenarios if s in WRITE_MODES]
+    for sync_close in (True, False):
+        todo = {s: [m for m in WRITE_MODES[s] if (m == "sync_close") == sync_close] for s in writes}
+        if not any(todo.values()) and (sync_close or "read" not in scenarios):
+            continue
         print(f"starting {tb.n} daemons{' with -o sync_close' if sync_close else ''} ...", flush=True)
         tb.start_cluster(sync_close=sync_close)
         for step in range(repeat):
-            for mode in modes:
-                r = run_dp(tb, mode, step)
-                results.append(r)
-                print(f"  dp {mode:10} close {r['close_s']:.2f} s, durable {r['durable_s']:.2f} s, "
-                      f"S3 rx {r['s3_rx_bytes'] / MiB:.1f} MiB for {r['unique_bytes'] / MiB:.0f} MiB unique"
-                      + (f", LP bound {r['lp_bound_s']:.2f} s" if r["lp_bound_s"] else ""), flush=True)
+            for scenario, modes in todo.items():
+                for mode in modes:
+                    r = run_write(tb, scenario, mode, step)
+                    results[scenario].append(r)
+                    print(f"  {scenario} {mode:10} close {r['close_s']:.2f} s, durable {r['durable_s']:.2f} s, "
+                          f"S3 rx {r['s3_rx_bytes'] / MiB:.1f} MiB for {r['unique_bytes'] / MiB:.0f} MiB unique"
+                          + (f", LP bound {r['lp_bound_s']:.2f} s" if r["lp_bound_s"] else ""), flush=True)
+            if not sync_close and "read" in scenarios:
+                results["read"] += scenario_read(tb, step)
         tb.stop_cluster()
     return results
 
@@ -427,11 +607,56 @@ def dp_table(results: list[dict]) -> str:
     table += (f"\n\nwrite-through/grouped close time {med['sync_close']['close_s'] / g['close_s']:.2f}x; "
               f"plain/grouped close {med['plain']['close_s'] / g['close_s']:.2f}x, "
               f"durable {med['plain']['durable_s'] / g['durable_s']:.2f}x\n")
+    return table + moto_note(results)
+
+
+def moto_note(results: list[dict]) -> str:
+    """A warning when moto's CPU, not the shaped links, bounded the durable times of some run."""
     busy = [r["moto_cpu_s"] / r["durable_s"] for r in results]
-    if max(busy) >= nn.CPU_BOUND_FRACTION:
-        table += (f"\nnote: moto was busy {max(busy):.0%} of a core until durable: the S3 server's CPU, not the "
-                  "shaped links, bounds the durable times (compare them with the LP bound accordingly)\n")
-    return table
+    if max(busy) < nn.CPU_BOUND_FRACTION:
+        return ""
+    return (f"\nnote: moto was busy {max(busy):.0%} of a core until durable: the S3 server's CPU, not the "
+            "shaped links, bounds the durable times (compare them with the LP bound accordingly)\n")
+
+
+def write_table(results: list[dict]) -> str:
+    """rank0 / sharded: each mode's times and where its bytes went, the plan's bound against the measurement."""
+    def f(v, fmt="{:.2f}"):
+        return "-" if v is None else fmt.format(v)
+
+    rows = [[r["mode"], f(r["close_s"]), f(r["durable_s"]), f(r["s3_rx_bytes"] / MiB, "{:.0f}"),
+             f(r["s3_rx_bytes"] / r["unique_bytes"]),
+             " ".join(f"{n}:{b / MiB:.0f}" for n, b in sorted(r["uploaded_by_node"].items())),
+             f"{r['moto_cpu_s']:.1f} ({r['moto_cpu_s'] / r['durable_s']:.0%})",
+             f(r["lp_bound_s"], "{:.3f}"), f(r["makespan_s"], "{:.3f}"),
+             f(r["durable_s"] / r["lp_bound_s"] if r["lp_bound_s"] else None)]
+            for r in results]
+    table = h.markdown_table(["mode", "close s (slowest)", "durable s", "S3 rx MiB", "S3 rx / unique",
+                              "MiB uploaded per node", "moto CPU s (of durable)", "LP bound s", "plan makespan s",
+                              "durable / LP bound"], rows)
+    med = {m: {k: h.median([r[k] for r in results if r["mode"] == m]) for k in ("close_s", "durable_s")}
+           for m in ("sync_close", "plain", "grouped") if any(r["mode"] == m for r in results)}
+    g = med["grouped"]
+    table += "\n\n" + (f"write-through/grouped close {med['sync_close']['close_s'] / g['close_s']:.2f}x; "
+                       if "sync_close" in med else "")
+    table += (f"plain/grouped close {med['plain']['close_s'] / g['close_s']:.2f}x, "
+              f"durable {med['plain']['durable_s'] / g['durable_s']:.2f}x\n")
+    return table + moto_note(results)
+
+
+def read_table(results: list[dict]) -> str:
+    def per_node(d: dict | None) -> str:
+        return " ".join(f"{n}:{b / MiB:.0f}" for n, b in sorted(d.items())) if d else "-"
+
+    one = h.median([r["wall_s"] for r in results if r["readers"] == 1])
+    rows = [[str(r["readers"]), f"{r['wall_s']:.2f}", f"{r['wall_s'] / one:.2f}", f"{r['s3_tx_bytes'] / MiB:.1f}",
+             f"{r['s3_tx_bytes'] / r['file_bytes']:.2f}", per_node(r["fetched_by_node"]),
+             per_node(r["planned_fetch_by_node"])] for r in results]
+    table = h.markdown_table(["N readers", "time s (all finished)", "time(N) / time(1)", "S3 tx MiB",
+                              "S3 tx / file", "MiB fetched from storage per node", "MiB planned per node"], rows)
+    worst = max(r["wall_s"] for r in results) / one
+    return table + (f"\n\nworst time(N)/time(1) {worst:.2f} (issue target <= 1.3: "
+                    f"{'met' if worst <= 1.3 else 'NOT met'})\n")
 
 
 def rates_table(rates: list[dict]) -> str:
@@ -441,6 +666,30 @@ def rates_table(rates: list[dict]) -> str:
 
 
 # ============================================================== CLI
+
+def scenario_list(text: str) -> list[str]:
+    """``--scenario``: ``all`` or a comma list; the chosen scenarios in their run order."""
+    chosen = set(SCENARIOS) if text.strip() == "all" else {s.strip() for s in text.split(",") if s.strip()}
+    unknown = chosen - set(SCENARIOS)
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"unknown scenario {', '.join(sorted(unknown)) or text!r}: "
+                                         f"choose from {', '.join(SCENARIOS)} or all")
+    return [s for s in SCENARIOS if s in chosen]
+
+
+def report(a: argparse.Namespace, results: dict[str, list[dict]]) -> str:
+    """One markdown section per scenario that ran."""
+    links = f"fabric {a.fabric_mbit:g}, storage {a.storage_mbit:g}, backend {a.backend_mbit:g} Mbit/s (tbf)"
+    headers = {
+        "dp": f"DP replicas on {a.nodes} emulated nodes: {a.size_mib} MiB identical + {a.shard_mib} MiB shard each; {links}",
+        "rank0": f"rank 0 writes the whole checkpoint ({a.size_mib * a.nodes} MiB) on {a.nodes} emulated nodes; {links}",
+        "sharded": f"sharded: each of {a.nodes} emulated nodes writes a unique {a.size_mib} MiB shard; {links}",
+        "read": (f"read: N of {a.nodes} emulated nodes read one {a.size_mib} MiB model file from cold pools "
+                 f"(fresh copy per N, group.size = N); {links}"),
+    }
+    tables = {"dp": dp_table, "rank0": write_table, "sharded": write_table, "read": read_table}
+    return "\n".join(f"{headers[s]}\n\n{tables[s](runs)}" for s, runs in results.items() if runs)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 4)[4],
@@ -452,7 +701,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="aggregate cap of the link into the S3 namespace, Mbit/s (default 1000; moto itself tops out near 1500)")
     ap.add_argument("--size-mib", type=int, default=64, help="model state every node writes identically (default 64)")
     ap.add_argument("--shard-mib", type=int, default=16, help="each node's unique shard, appended to the model state (default 16)")
-    ap.add_argument("--scenario", choices=["dp"], default="dp", help="dp: DP replicas (the only one so far)")
+    ap.add_argument("--scenario", type=scenario_list, default=["dp"],
+                    help=f"comma list of {', '.join(SCENARIOS)}, or all (default dp)")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each mode (medians in the ratios)")
     ap.add_argument("--dram", default="2G", help="each daemon's -o dram= (default 2G)")
     ap.add_argument("--check-s", type=float, default=2.0, help="seconds per link rate check; 0 skips the checks (default 2)")
@@ -486,12 +736,11 @@ def main(argv=None) -> int:
         tb.build()
         tb.start_services()
         rates = tb.check_rates(a.check_s) if a.check_s > 0 else []
-        results = scenario_dp(tb, a.repeat)
-        header = (f"DP replicas on {a.nodes} emulated nodes: {a.size_mib} MiB identical + {a.shard_mib} MiB shard each; "
-                  f"fabric {a.fabric_mbit:g}, storage {a.storage_mbit:g}, backend {a.backend_mbit:g} Mbit/s (tbf)\n\n")
-        table = header + dp_table(results) + ("\n" + rates_table(rates) + "\n" if rates else "")
+        results = run_scenarios(tb, a.scenario, a.repeat)
+        table = report(a, results) + ("\n" + rates_table(rates) + "\n" if rates else "")
         print(table)
-        md, js = h.save_results("testbed", table, {"args": vars(a), "rates": rates, "runs": results})
+        runs = [r for s in a.scenario for r in results[s]]
+        md, js = h.save_results("testbed", table, {"args": vars(a), "rates": rates, "runs": runs})
         print(f"results: {md} {js}")
         if a.keep:
             print(f"--keep: testbed up; enter a node with `nsenter --net=/run/netns/{tb.node_ns[0]} bash`. Ctrl-C tears down.")

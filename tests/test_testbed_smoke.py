@@ -92,3 +92,16 @@ def test_testbed_preflight_refuses_non_root(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(_netns.TestbedError, match="must run as root"):
         _netns.preflight("atb-never-made")
+
+
+def test_testbed_scenario_flag_takes_a_list_or_all():
+    """``--scenario`` is dp by default, takes a comma list (run in a fixed order) or ``all``, refuses typos."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import testbed
+
+    assert testbed.parse_args([]).scenario == ["dp"]
+    assert testbed.parse_args(["--scenario", "read,dp"]).scenario == ["dp", "read"]
+    assert testbed.parse_args(["--scenario", "all"]).scenario == list(testbed.SCENARIOS)
+    with pytest.raises(SystemExit):
+        testbed.parse_args(["--scenario", "dp,shraded"])
+    assert testbed.reader_counts(4) == [1, 2, 4] and testbed.reader_counts(6) == [1, 2, 4, 6]
