@@ -17,6 +17,7 @@ only deleted if no live inode's path names it.
 
 import collections
 import errno
+import itertools
 import logging
 import os
 import secrets
@@ -587,10 +588,10 @@ class Persister:
         n = chunk.chunk_count(row.size)
         parts = await self._part_plan(row, key, keys[:n])
         upload = await self.backend.open_upload(key)
-        limiter = trio.Semaphore(PERSIST_PARTS_IN_FLIGHT)
-        # Parts whose bytes another file of the round uploads go last: waiting
-        # for them must not hold the slots the other parts need.
-        order = sorted(range(n), key=lambda i: parts is not None and i in parts.wait)
+        order, senders = self._part_order(n, parts)
+        # PERSIST_PARTS_IN_FLIGHT per node that sends parts: each node's storage
+        # link is busy, not four parts queued on one link while the others idle.
+        limiter = trio.Semaphore(PERSIST_PARTS_IN_FLIGHT * senders)
         try:
             try:
                 async with trio.open_nursery() as nursery:
@@ -610,6 +611,28 @@ class Persister:
                     log.warning("abort of upload to %s failed: %s", key, exc)
             raise
         return upload  # every part sent; the caller publishes it (complete) or aborts
+
+    @staticmethod
+    def _part_order(n: int, parts: "_PartPlan | None") -> tuple[list[int], int]:
+        """The order to start an upload's parts in, and how many nodes send them.
+
+        The plan gives runs of consecutive parts to one node; started in index
+        order, the parts in flight all went to that node's storage link (rank-0
+        writer on the testbed: 3.6x the LP bound).  Parts are interleaved across
+        the sending nodes instead.  Parts whose bytes another file of the round
+        uploads go last: waiting for them must not hold the slots the others need.
+        """
+        if parts is None:
+            return list(range(n)), 1
+        queues: dict[str | None, list[int]] = {}
+        for i in range(n):
+            if i not in parts.wait:
+                queues.setdefault(parts.hints.persist.get(i), []).append(i)
+        order = []
+        for batch in itertools.zip_longest(*queues.values()):
+            order += [i for i in batch if i is not None]
+        order += sorted(parts.wait)
+        return order, max(1, len(queues))
 
     async def _upload_part(self, upload, row, key: bytes, index: int, limiter, parts: "_PartPlan | None") -> None:
         try:
