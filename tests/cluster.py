@@ -66,34 +66,27 @@ def write_secret(path: str, secret: bytes | None = None) -> str:
 # ============================================================== S3 byte counter
 
 
-class CountingProxy:
-    """A TCP relay ``127.0.0.1:port -> target``; counts the bytes that cross it each way.
+class _Relay:
+    """A TCP relay ``127.0.0.1:port -> target`` on threads; subclasses say how bytes cross (``_pump``).
 
-    ``upstream_bytes`` is every byte the S3 server received through it
-    (requests, headers included); ``downstream_bytes`` every byte it sent
-    back (responses: GET bodies, headers, listings, errors).  ``reset()``
-    zeroes both.
+    Each accepted connection gets a connection upstream and one ``_pump``
+    thread per direction (``upstream``: towards the target).  ``close()``
+    stops accepting and closes every relayed socket.
     """
 
-    def __init__(self, target_port: int):
-        self.target_port = target_port
-        self.upstream_bytes = 0
-        self.downstream_bytes = 0
+    def __init__(self, target: tuple[str, int], name: str, backlog: int):
+        self.target = target
+        self.connections = 0
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
+        self._closed = False
         self._listener = socket.socket()
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((HOST, 0))
-        self._listener.listen(128)
+        self._listener.listen(backlog)
         self.port = self._listener.getsockname()[1]
-        self.endpoint = f"http://{HOST}:{self.port}"
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True, name="s3-proxy").start()
-
-    def reset(self) -> None:
-        with self._lock:
-            self.upstream_bytes = 0
-            self.downstream_bytes = 0
+        self.address = f"{HOST}:{self.port}"
+        threading.Thread(target=self._accept, daemon=True, name=name).start()
 
     def _accept(self) -> None:
         while not self._closed:
@@ -102,27 +95,19 @@ class CountingProxy:
             except OSError:
                 return
             try:
-                up = socket.create_connection((HOST, self.target_port))
+                up = socket.create_connection(self.target)
             except OSError:
                 down.close()
                 continue
             with self._lock:
+                self.connections += 1
                 self._socks += [down, up]
-            threading.Thread(target=self._pump, args=(down, up, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(up, down, False), daemon=True).start()
+            threading.Thread(target=self._relay, args=(down, up, True), daemon=True).start()
+            threading.Thread(target=self._relay, args=(up, down, False), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
+    def _relay(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
         try:
-            while True:
-                data = src.recv(1 << 20)
-                if not data:
-                    break
-                with self._lock:  # counted before it is relayed: a reader never sees bytes not yet counted
-                    if upstream:
-                        self.upstream_bytes += len(data)
-                    else:
-                        self.downstream_bytes += len(data)
-                dst.sendall(data)
+            self._pump(src, dst, upstream)
         except OSError:
             pass
         for s, how in ((dst, socket.SHUT_WR), (src, socket.SHUT_RD)):
@@ -130,6 +115,9 @@ class CountingProxy:
                 s.shutdown(how)
             except OSError:
                 pass
+
+    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
+        raise NotImplementedError
 
     def close(self) -> None:
         self._closed = True
@@ -143,6 +131,39 @@ class CountingProxy:
                 pass
 
 
+class CountingProxy(_Relay):
+    """A relay in front of the S3 server; counts the bytes that cross it each way.
+
+    ``upstream_bytes`` is every byte the S3 server received through it
+    (requests, headers included); ``downstream_bytes`` every byte it sent
+    back (responses: GET bodies, headers, listings, errors).  ``reset()``
+    zeroes both.
+    """
+
+    def __init__(self, target_port: int):
+        self.upstream_bytes = 0
+        self.downstream_bytes = 0
+        super().__init__((HOST, target_port), "s3-proxy", 128)
+        self.endpoint = f"http://{self.address}"
+
+    def reset(self) -> None:
+        with self._lock:
+            self.upstream_bytes = 0
+            self.downstream_bytes = 0
+
+    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
+        while True:
+            data = src.recv(1 << 20)
+            if not data:
+                break
+            with self._lock:  # counted before it is relayed: a reader never sees bytes not yet counted
+                if upstream:
+                    self.upstream_bytes += len(data)
+                else:
+                    self.downstream_bytes += len(data)
+            dst.sendall(data)
+
+
 # ============================================================== fabric tamperer
 
 _FRAME_HEADER = struct.Struct(">4sBBHQI")  # aiturbofs.fabric._wire: magic, version, type, flags, request id, length
@@ -151,7 +172,7 @@ FRAME_CHUNK = 0x11  # a GET_CHUNK reply
 FRAME_PUT_CHUNK = 0x13
 
 
-class FrameTamperer:
+class FrameTamperer(_Relay):
     """A relay in front of a node's fabric port that corrupts ONE chunk payload per frame type.
 
     It parses the fabric's frame headers (the handshake and control frames
@@ -163,35 +184,9 @@ class FrameTamperer:
 
     def __init__(self, target: str, flip_types: tuple[int, ...] = (FRAME_CHUNK, FRAME_PUT_CHUNK)):
         host, _, port = target.rpartition(":")
-        self.target = (host, int(port))
         self.pending = set(flip_types)
         self.flipped: list[tuple[int, int]] = []
-        self.connections = 0
-        self._lock = threading.Lock()
-        self._socks: list[socket.socket] = []
-        self._listener = socket.socket()
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind((HOST, 0))
-        self._listener.listen(64)
-        self.address = f"{HOST}:{self._listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True, name="fabric-tamper").start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                down, _ = self._listener.accept()
-            except OSError:
-                return
-            try:
-                up = socket.create_connection(self.target)
-            except OSError:
-                down.close()
-                continue
-            with self._lock:
-                self.connections += 1
-                self._socks += [down, up]
-            threading.Thread(target=self._pump, args=(down, up), daemon=True).start()
-            threading.Thread(target=self._pump, args=(up, down), daemon=True).start()
+        super().__init__((host, int(port)), "fabric-tamper", 64)
 
     @staticmethod
     def _read_exact(sock: socket.socket, n: int) -> bytes | None:
@@ -203,49 +198,31 @@ class FrameTamperer:
             buf += part
         return bytes(buf)
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while True:
-                header = self._read_exact(src, _FRAME_HEADER.size)
-                if header is None:
-                    break
-                magic, _version, ftype, _flags, _rid, length = _FRAME_HEADER.unpack(header)
-                if magic != b"ATFB":  # not a fabric stream: relay the rest as it comes
-                    dst.sendall(header)
-                    while data := src.recv(1 << 20):
-                        dst.sendall(data)
-                    break
-                payload = self._read_exact(src, length) if length else b""
-                if payload is None:
-                    break
-                if length > _KEY_BYTES:
-                    with self._lock:
-                        flip = ftype in self.pending
-                        if flip:
-                            self.pending.discard(ftype)
-                            self.flipped.append((ftype, length))
+    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
+        while True:
+            header = self._read_exact(src, _FRAME_HEADER.size)
+            if header is None:
+                break
+            magic, _version, ftype, _flags, _rid, length = _FRAME_HEADER.unpack(header)
+            if magic != b"ATFB":  # not a fabric stream: relay the rest as it comes
+                dst.sendall(header)
+                while data := src.recv(1 << 20):
+                    dst.sendall(data)
+                break
+            payload = self._read_exact(src, length) if length else b""
+            if payload is None:
+                break
+            if length > _KEY_BYTES:
+                with self._lock:
+                    flip = ftype in self.pending
                     if flip:
-                        body = bytearray(payload)
-                        body[_KEY_BYTES + (length - _KEY_BYTES) // 2] ^= 0x01
-                        payload = bytes(body)
-                dst.sendall(header + payload)
-        except OSError:
-            pass
-        for s, how in ((dst, socket.SHUT_WR), (src, socket.SHUT_RD)):
-            try:
-                s.shutdown(how)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self._listener.close()
-        with self._lock:
-            socks, self._socks = self._socks, []
-        for s in socks:
-            try:
-                s.close()
-            except OSError:
-                pass
+                        self.pending.discard(ftype)
+                        self.flipped.append((ftype, length))
+                if flip:
+                    body = bytearray(payload)
+                    body[_KEY_BYTES + (length - _KEY_BYTES) // 2] ^= 0x01
+                    payload = bytes(body)
+            dst.sendall(header + payload)
 
 
 # ============================================================== the controller
