@@ -307,7 +307,11 @@ class ClusterNode:
             return peer
 
     async def fetch(self, key: bytes, holders: list[str]) -> bytes | None:
-        for name in holders:
+        return await self._first_having(key, holders, "chunks_fetched")
+
+    async def _first_having(self, key: bytes, names, counter: str) -> bytes | None:
+        """Chunk ``key`` from the first of ``names`` (live peers, in order) that has it; counted in ``stats[counter]``."""
+        for name in names:
             if name == self.node or name in self.dead:
                 continue
             try:
@@ -316,7 +320,7 @@ class ClusterNode:
                 log.info("chunk %s… from %r: %s", key.hex()[:16], name, exc)
                 continue
             if data is not None:
-                self.stats["chunks_fetched"] += 1
+                self.stats[counter] += 1
                 return bytes(data)
         return None
 
@@ -476,15 +480,10 @@ class ClusterNode:
         link = self._chain.get(key)
         if link is None or link.ino != ino or not link.upstream:
             return None  # not in a round of this file, or we are the chain's head: the usual path
-        for up in link.upstream:  # the predecessor; if it failed, the nodes before it
-            try:
-                data = await (await self._peer(up)).get_chunk(key)
-            except (*_PEER_ERRORS, AiturboError) as exc:
-                log.info("chunk %s… from chain node %r: %s", key.hex()[:16], up, exc)
-                continue
-            if data is not None:
-                self.stats["chunks_from_chain"] += 1
-                return bytes(data)
+        # the predecessor; if it failed, the nodes before it
+        data = await self._first_having(key, link.upstream, "chunks_from_chain")
+        if data is not None:
+            return data
         log.info("chunk %d of inode %d: no node up its chain (%s) had it; fetching it the usual way",
                  link.index, ino, ", ".join(link.upstream))
         return None

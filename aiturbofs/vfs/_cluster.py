@@ -40,7 +40,6 @@ class ReadRequest:
     path: str
     size: int
     manifest: bytes
-    holders: list[str]
     group: str
     group_size: int | None
 

@@ -547,16 +547,13 @@ class Filesystem:
 
     async def _join_read_round(self, node: Inode) -> None:
         """A grouped file opened for reading: the nodes reading it share the storage fetches."""
-        tags = await self._tags(node)
-        group = tags.get(_xattr.GROUP)
+        group, group_size = await self._grouping(node)
         if group is None:
             return
-        size_tag = tags.get(_xattr.GROUP_SIZE)
         row = node.row
-        paths = await self.meta.paths_of(node.ino)
         self.cluster.start_read(ReadRequest(
-            ino=node.ino, version=row.version, path=paths[0] if paths else "", size=row.size, manifest=row.manifest,
-            holders=list(row.holders), group=group.decode(), group_size=int(size_tag) if size_tag else None,
+            ino=node.ino, version=row.version, path=await self._path(node.ino), size=row.size,
+            manifest=row.manifest, group=group, group_size=group_size,
         ))
 
     async def release(self, fh: int) -> None:
@@ -784,33 +781,37 @@ class Filesystem:
 
     async def _stage(self, node: Inode, content: FileContent, manifest: bytes) -> Staged:
         """Cluster: place the chunks on ``replicas`` nodes before close() returns."""
-        tags = await self._tags(node)
-        group = tags.get(_xattr.GROUP)
-        size_tag = tags.get(_xattr.GROUP_SIZE)
-        paths = await self.meta.paths_of(node.ino)
+        group, group_size = await self._grouping(node)
         return await self.cluster.stage(
             StageRequest(
-                ino=node.ino, path=paths[0] if paths else "", size=content.size, manifest=manifest,
-                group=group.decode() if group else None, group_size=int(size_tag) if size_tag else None,
+                ino=node.ino, path=await self._path(node.ino), size=content.size, manifest=manifest,
+                group=group, group_size=group_size,
             )
         )
 
     async def _report(self, node: Inode, row: InodeRow, manifest: bytes) -> None:
         if self._reporter is None:
             return
-        tags = await self._tags(node)
-        group = tags.get(_xattr.GROUP)
+        group, group_size = await self._grouping(node)
         if group is None:
             return  # ungrouped files need no control-plane round
-        paths = await self.meta.paths_of(node.ino)
-        size_tag = tags.get(_xattr.GROUP_SIZE)
         await self._reporter(
             CloseReport(
-                ino=node.ino, path=paths[0] if paths else "", version=row.version, size=row.size,
-                manifest=manifest, group=group.decode() if group else None,
-                group_size=int(size_tag) if size_tag else None,
+                ino=node.ino, path=await self._path(node.ino), version=row.version, size=row.size,
+                manifest=manifest, group=group, group_size=group_size,
             )
         )
+
+    async def _grouping(self, node: Inode) -> tuple[str | None, int | None]:
+        """The file's group tag and group size (``None`` where not set)."""
+        tags = await self._tags(node)
+        group, size = tags.get(_xattr.GROUP), tags.get(_xattr.GROUP_SIZE)
+        return (group.decode() if group else None), (int(size) if size else None)
+
+    async def _path(self, ino: int) -> str:
+        """One path of ``ino`` (its first link), for reports and logs."""
+        paths = await self.meta.paths_of(ino)
+        return paths[0] if paths else ""
 
     # ------------------------------------------------------------------ reads
     async def read(self, fh: int, offset: int, size: int):
