@@ -362,7 +362,7 @@ class BackendConformance:
             receipt = await other.write_remote_part("short", token, 0, data[: P // 2])  # a short middle part
             upload.add_remote_part(0, P // 2, receipt)
             await upload.write_part(1, data[P:])
-            with pytest.raises(BackendError, match="wrong-length parts \\[0\\]"):
+            with pytest.raises(BackendError, match=r"wrong-length parts \[0 \("):
                 await upload.complete(2 * P)
             upload.add_remote_part(0, P, await other.write_remote_part("short", token, 0, data[:P]))
             await upload.complete(2 * P)

@@ -493,6 +493,71 @@ def test_backpressure_loses_nothing(spill, s3m, tmp_path):
     assert "broken" not in m.log(), f"wrote {sum(map(len, files.values())) >> 20} MiB in {written_s:.1f} s"
 
 
+def put_unaligned(path: str, data: bytes, skew: int = 48) -> None:
+    """``skew`` bytes, then 1 MiB writes: every write straddles a chunk boundary's neighbourhood."""
+    with open(path, "wb", buffering=0) as f:
+        f.write(data[:skew])
+        for off in range(skew, len(data), MiB):
+            f.write(data[off: off + MiB])
+
+
+_HOLD_OPEN = """
+import sys
+with open(sys.argv[1], "r+b", buffering=0) as f, open(sys.argv[2], "rb") as src:
+    f.write(src.read())
+    print("written", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_rewrite_while_uploading_keeps_the_committed_versions_chunks(s3m, tmp_path):
+    """A chunk rewritten while the version naming it still uploads stays in DRAM.
+
+    The committed version is what a crash or a reader falls back on, so its
+    chunks stay pinned until a version at least as new is durable, even when
+    the open file's slots already hold newer bytes.  Releasing the pin with
+    the slot let pool pressure evict the chunk mid-upload, and that version
+    was marked broken.  Also: a write that fills a chunk and waits for memory
+    for the next one must not let the sealer hash the filled chunk short.
+    """
+    m = s3m.mount(dram="32M")
+    s3m.server.stop()
+    v1 = secrets.token_bytes(2 * CHUNK)
+    put(m.path("f.bin"), v1)  # committed: staged, its upload retries against the outage
+    new_head = secrets.token_bytes(CHUNK)
+    (tmp_path / "head").write_bytes(new_head)
+    # Another process keeps the file open and dirty: this one forks the S3
+    # server, and a child closing an inherited descriptor would flush (commit) it.
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_OPEN, m.path("f.bin"), str(tmp_path / "head")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "written\n"  # chunk 0 replaced; version 1 still names the old one
+        g = secrets.token_bytes(2 * CHUNK)
+        # pool pressure: evictable is only the old chunk 0.  The writes are
+        # not chunk-aligned, so the one that fills g's chunk 0 goes on into
+        # chunk 1 and waits for memory while chunk 0 is sealed.
+        writer, box = in_thread(put_unaligned, m.path("g.bin"), g)
+        writer.join(3)
+        s3m.server.start()
+        writer.join(WAIT_S)
+        assert not writer.is_alive() and "error" not in box, box
+        # the file is still open and dirty: version 1 is what the persister uploads
+        wait_until(lambda: "broken" in m.log() or s3m.objects().get("f.bin") == v1, what="version 1 persisted")
+        assert "broken" not in m.log(), m.log()[-3000:]
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.wait(WAIT_S) == 0
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    v2 = new_head + v1[CHUNK:]
+    assert_durable(m, {"f.bin": v2, "g.bin": g}, s3m.objects)
+    assert get(m.path("f.bin")) == v2
+    assert status(m)["errors"] == [], status(m)["errors"]
+    assert_no_bug(m.log())
+
+
 # ---------------------------------------------------------------------- backend outage
 
 

@@ -437,10 +437,11 @@ class Upload(ABC):
         if self._part_lengths != want:
             missing = sorted(set(want) - set(self._part_lengths))[:5]
             extra = sorted(set(self._part_lengths) - set(want))[:5]
-            wrong = sorted(i for i in want if self._part_lengths.get(i, want[i]) != want[i])[:5]
+            wrong = [f"{i} ({self._part_lengths[i]} bytes, want {want[i]})"
+                     for i in sorted(i for i in want if self._part_lengths.get(i, want[i]) != want[i])[:5]]
             raise BackendError(
                 f"cannot complete {self.key!r} at {size} bytes: "
-                f"missing parts {missing}, unexpected parts {extra}, wrong-length parts {wrong}"
+                f"missing parts {missing}, unexpected parts {extra}, wrong-length parts [{', '.join(wrong)}]"
             )
         return count
 

@@ -47,7 +47,7 @@ from .._limits import (
     SMALL_BUFFER_BYTES,
     SYMLINK_TARGET_BYTES_MAX,
 )
-from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, STATE_STAGED, InodeRow
+from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED, InodeRow
 from ..staging import StagingPool
 from . import _xattr
 from ._cluster import ClusterPort, ReadRequest, Staged, StageRequest
@@ -80,7 +80,7 @@ CloseReporter = Callable[[CloseReport], Awaitable[None]]
 class Inode:
     """What the daemon holds in memory for an inode the kernel knows."""
 
-    __slots__ = ("ino", "row", "lookups", "opens", "content", "cached_version", "tags")
+    __slots__ = ("ino", "row", "lookups", "opens", "content", "cached_version", "tags", "retained")
 
     def __init__(self, row: InodeRow):
         self.ino = row.ino
@@ -90,6 +90,13 @@ class Inode:
         self.content: FileContent | None = None
         self.cached_version = -1  # version whose pages the kernel may hold
         self.tags: dict[bytes, bytes] | None = None  # user.aiturbo.* cache
+        # Pins of chunks whose slots were rewritten while the committed version
+        # naming them was not yet durable: (that version, chunk key).  The
+        # persister may still be uploading that version, so its chunks must
+        # stay in DRAM (or spill) until a version at least as new is durable
+        # or broken; releasing them with the slot let the pool evict a chunk
+        # mid-upload and marked the older version broken.
+        self.retained: list[tuple[int, bytes]] = []
 
     @property
     def live(self) -> bool:
@@ -225,7 +232,7 @@ class Filesystem:
             self.persister.enqueue(node.ino, moved=True)  # deletes backend copies, then the row
             return
         content = node.content
-        if content is not None and (content.dirty or self._has_pins(content)):
+        if node.retained or (content is not None and (content.dirty or self._has_pins(content))):
             return  # still staged: keep the slots (and their pins) in memory
         del self._inodes[node.ino]
 
@@ -233,6 +240,7 @@ class Filesystem:
         return any(s is not None and s.pinned for s in content.slots)
 
     def _drop_content(self, node: Inode) -> None:
+        self._release_retained(node, None)
         content, node.content = node.content, None
         if content is None:
             return
@@ -240,7 +248,8 @@ class Filesystem:
             self._free_slot(slot)
             content.slots[i] = None
 
-    def _free_slot(self, slot: Slot | None) -> None:
+    def _free_slot(self, slot: Slot | None, node: Inode | None = None) -> None:
+        """Give back a slot's buffer or pin; ``node`` retains the pin for its committed version."""
         if slot is None:
             return
         if slot.buf is not None:
@@ -248,8 +257,23 @@ class Filesystem:
             slot.seq += 1  # invalidates a sealer working on it
             self.pool.release(buf)
         elif slot.pinned:
-            self.pool.unpin(slot.key)
             slot.pinned = False
+            if node is not None and node.row.state in (STATE_STAGED, STATE_PERSISTING):
+                node.retained.append((node.row.version, slot.key))
+            else:
+                self.pool.unpin(slot.key)
+
+    def _release_retained(self, node: Inode, upto: int | None) -> None:
+        """Unpin retained chunks of versions <= ``upto`` (all of them with None)."""
+        if not node.retained:
+            return
+        keep = []
+        for version, key in node.retained:
+            if upto is None or version <= upto:
+                self.pool.unpin(key)
+            else:
+                keep.append((version, key))
+        node.retained = keep
 
     async def getattr(self, ino: int) -> InodeRow:
         node = self._inodes.get(ino)
@@ -625,10 +649,15 @@ class Filesystem:
             if end > slot.filled:
                 slot.filled = end
             slot.seq += 1
+            # The size grows with each span, before the next span may wait for
+            # memory: a sealer started on this chunk meanwhile hashes
+            # chunk_length(size) bytes, and a size still short of the span's
+            # end sealed a short chunk under a full-length file (its upload
+            # then failed as a wrong-length part).
+            if index * CHUNK_BYTES + end > content.size:
+                content.size = index * CHUNK_BYTES + end
             if end == CHUNK_BYTES and slot.filled == CHUNK_BYTES:
                 self._seal_soon(node, index, slot)
-        if offset + length > content.size:
-            content.size = offset + length
         content.seq += 1
         node.row.mtime_ns = _now_ns()
         return length
@@ -657,7 +686,7 @@ class Filesystem:
             new = Slot(buf=buf)
             new.filled = filled
             content.slots[index] = new
-            self._free_slot(slot)
+            self._free_slot(slot, node)
             return new
 
     async def _fill_from(self, node: Inode, content: FileContent, index: int, slot: Slot | None, buf: bytearray, valid: int) -> int:
@@ -687,7 +716,7 @@ class Filesystem:
                     slot.filled = tail
                     slot.seq += 1
             for slot in content.slots[keep:]:
-                self._free_slot(slot)
+                self._free_slot(slot, node)
             del content.slots[keep:]
         else:
             last = chunk.chunk_count(content.size) - 1
@@ -934,6 +963,8 @@ class Filesystem:
                     if slot is not None and slot.pinned and index < len(keys) and slot.key == keys[index]:
                         self.pool.unpin(slot.key)
                         slot.pinned = False
+            if row.state in (STATE_DURABLE, STATE_BROKEN):
+                self._release_retained(node, row.version)
             if row.state == STATE_BROKEN and content is not None and not content.dirty:
                 content.broken = True
             await self._maybe_drop(node)
