@@ -38,6 +38,10 @@ SPILL_IN_FLIGHT_MAX = 2  # chunk writes to the spill dir at once
 
 # --- persist --------------------------------------------------------------------
 PERSIST_FILES_IN_FLIGHT = 4  # files uploading at once
+# Extra uploads started while files in flight only wait for another file's
+# durable copy of a chunk (cluster dedup): the file making that copy may be
+# queued behind them, and without a spare it waited CLUSTER_SOURCE_WAIT_S.
+PERSIST_SPARE_FILES_MAX = 16
 PERSIST_PARTS_IN_FLIGHT = 4  # parts of one file uploading at once
 PERSIST_RETRY_WINDOW_S = 24 * 3600.0  # default -o persist_retry_window
 PERSIST_BACKOFF_FIRST_S = 0.2
@@ -53,6 +57,9 @@ S3_PARTS_MAX = 10_000  # S3 multipart limit: with CHUNK_BYTES parts an object is
 S3_COPY_OBJECT_BYTES_MAX = 5 * GiB  # CopyObject limit; larger objects are copied part by part
 S3_PUT_BYTES_MAX = 1 * MiB  # a lone short part is copied on the trio thread and sent as one PutObject
 UPLOAD_TOKEN_BYTES_MAX = 32 * KiB  # a remote-part token or receipt: a key, escaped, plus an UploadId; fits a fabric control body
+PERSIST_BACKOFF_JITTER = 0.5  # a retry sleeps backoff x uniform(1 - this, 1): files failed by one outage do not retry in step
+PERSIST_PARTS_UNPOOLED_MAX = 4  # parts uploading at once whose chunk is not in DRAM (read back from spill or the backend outside the budget)
+S3_STALE_UPLOADS_MAX = 1024  # multipart uploads whose abort failed, kept to abort again once S3 answers (oldest forgotten)
 
 # --- namespace import from the backend ------------------------------------------
 IMPORT_TTL_S = 5.0  # default -o import_ttl: re-list a backend directory after this
@@ -85,6 +92,10 @@ BACKGROUND_NICE = 10  # worker threads doing bulk work yield to the FUSE thread
 MALLOC_MMAP_THRESHOLD_BYTES = 4 * MiB  # glibc: 1 MiB request buffers from the heap; 8 MiB chunk buffers still mmap
 MALLOC_TRIM_THRESHOLD_BYTES = 128 * MiB  # glibc: keep this much freed heap (part of the RSS overhead)
 MOUNT_READY_TIMEOUT_S = 60.0  # parent waits this long for the daemon's mount
+
+# --- config file (TOML)
+CONFIG_PATH_DEFAULT = "/etc/aiturbo/aiturbo.toml"  # what `aiturbo config check` reads without FILE, and the units use
+CONFIG_FILE_BYTES_MAX = 1 * MiB  # a config file is a few hundred bytes; a larger one is the wrong file
 
 # --- fabric (peer data plane) -------------------------------------------------------
 FABRIC_FRAME_SLACK_BYTES = 4 * KiB  # a frame is at most a chunk plus this (key, header)
@@ -164,7 +175,17 @@ CLUSTER_READ_ROUNDS_KEPT = 4096  # (inode, version) read rounds remembered, so a
 CLUSTER_PREFETCH_IN_FLIGHT = 4  # chunks of a grouped read fetched at once per file (the chain's pipeline depth)
 CLUSTER_CHAIN_LINGER_S = 30.0  # after its prefetch, a node keeps serving its chain successors this long
 CLUSTER_UNREACHABLE_RETRY_S = 5.0  # a peer that could not be reached is skipped this long
-CLUSTER_READ_WAIT_S = 3.0  # ... and a read() of it waits this long for the plan, then fetches alone
+CLUSTER_READ_WAIT_S = 3.0  # ... and reads of it wait this long after open() for the plan, then fetch alone
 READ_AHEAD_CHUNKS = 2  # a sequential reader has this many chunks after the current one fetched ahead
 PREFETCH_TASKS_MAX = 16  # read-ahead fetches in flight per daemon
 CLUSTER_CHAIN_PLAN_SKEW_S = 1.0  # a chunk asked for while our read plan is still coming: wait this long for it
+
+# --- metrics (Prometheus, served on loopback by default) -------------------------------
+METRICS_NODE_ADDRESS_DEFAULT = "127.0.0.1:9460"  # -o metrics: a daemon's endpoint (taken: an ephemeral port)
+METRICS_CONTROLLER_ADDRESS_DEFAULT = "127.0.0.1:9461"  # aiturbo controller --metrics
+METRICS_CLIENTS_MAX = 8  # scrapes served at once
+METRICS_REQUEST_BYTES_MAX = 8 * KiB  # an HTTP request head; a longer one is refused
+METRICS_CALL_TIMEOUT_S = 5.0  # one scrape: read the request, send the answer
+METRICS_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # round and plan times
+STATUS_SUMMARY_BYTES_MAX = 1 * KiB  # the per-node summary a heartbeat carries for `aiturbo status`
+STATUS_LIST_MAX = 5  # queued files and recent errors `aiturbo status` lists per daemon (one screen)

@@ -35,6 +35,7 @@ from contextlib import contextmanager
 
 import pgserver
 import pytest
+from aiturbofs._limits import CLUSTER_SOURCE_WAIT_S, PERSIST_FILES_IN_FLIGHT
 from cluster import (
     CHUNK,
     FRAME_CHUNK,
@@ -351,7 +352,7 @@ def test_kill9_after_close_survivors_persist(make_cluster):
         assert "n1" in s["cluster"]["dead"], f"{c.name(i)} does not list n1 as dead: {s['cluster']['dead']}"
     uploaded = {c.name(i): s["persist"]["bytes_uploaded"] for i, s in st.items()}
     assert sum(uploaded.values()) >= sum(len(d) for d in files.values()), uploaded
-    takeovers = [line for i in c.live() for line in c.nodes[i].log().splitlines() if "is dead: persisting" in line]
+    takeovers = [line for i in c.live() for line in c.nodes[i].log().splitlines() if "taken_over path=" in line]
     print(f"\n[d] all {len(files)} files durable {durable_s:.2f} s after kill -9 of n1 "
           f"({time.monotonic() - killed_at:.2f} s incl. checks); uploads by survivors {uploaded}")
     for line in takeovers:
@@ -808,3 +809,25 @@ def test_kv_cache_files_with_a_shared_prefix_upload_it_once(make_cluster):
     assert_clean(c)
     print(f"\n[kv] 4 files of {CHUNK >> 20} MiB shared prefix + ~0.5 MiB: S3 received {sent / MiB:.2f} MiB "
           f"for {tails / MiB:.2f} MiB of new bytes; {copied / MiB:.0f} MiB copied server-side")
+
+
+def test_many_files_waiting_for_one_source_do_not_stall(make_cluster):
+    """More files of one round on one node than it uploads at once, all sharing
+    a prefix that one of them uploads: the files waiting for that copy must not
+    keep the uploading file queued until their wait runs out (120 s)."""
+    c = make_cluster()
+    n = PERSIST_FILES_IN_FLIGHT + 2
+    group_dir(c, 0, "kv6", "kv-burst", n)
+    prefix = os.urandom(2 * CHUNK)
+    files = {f"s{i}.kv": prefix + os.urandom(MiB // 4 + i) for i in range(n)}
+    threads = [threading.Thread(target=put, args=(c.path(0, "kv6", name), data)) for name, data in files.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    took = wait_durable(c, 0, [f"kv6/{name}" for name in files])
+    assert took < CLUSTER_SOURCE_WAIT_S / 2, f"{n} files took {took:.0f} s to become durable\n{c.nodes[0].log()[-3000:]}"
+    for name, data in files.items():
+        assert sha(c.get_object(f"kv6/{name}")) == sha(data), f"{name} differs in the bucket"
+    assert_clean(c)
+    print(f"\n[kv burst] {n} files sharing a {len(prefix) >> 20} MiB prefix on one node: durable in {took:.1f} s")

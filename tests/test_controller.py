@@ -20,7 +20,7 @@ import trio
 import trio.testing
 
 from aiturbofs import chunk
-from aiturbofs._errors import AuthFailed, RemoteError
+from aiturbofs._errors import AuthFailed, InvalidArgument, RemoteError
 from aiturbofs._limits import CHUNK_BYTES
 from aiturbofs.controller import ControllerServer, EmbeddedController, RoundKeeper
 from aiturbofs.fabric import MemoryNetwork, MemoryTransport, TcpTransport
@@ -232,7 +232,7 @@ def test_a_round_short_of_its_size_closes_at_the_wait_max(caplog):
 
     with caplog.at_level(logging.WARNING, logger="aiturbofs.controller"):
         run(main)
-    assert "job#1 closed short: 2 of 3 files" in caplog.text
+    assert "round_short round=job#1 files=2 of=3" in caplog.text
 
 
 def test_replicas_are_satisfied_for_every_chunk():
@@ -278,6 +278,73 @@ def test_a_single_writer_spreads_the_upload_over_the_cluster():
     run(main)
 
 
+def test_dedup_mode_gives_each_unique_chunk_to_its_first_files_node():
+    """--plan dedup, DP replicas: one uploader per unique chunk, and transfers only to make up the replicas."""
+    async def main():
+        keeper = RoundKeeper(FakeMeta(), members(4), backend_bw=100 * GB, window_s=5, wait_max_s=10, plan="dedup")
+        model = [f"m{j}" for j in range(6)]
+        # n3 reports first: the first file, not the lowest node name, uploads the shared chunks.
+        order = ("n3", "n1", "n4", "n2")
+        bodies = [body(n, [*model, f"{n}.s0", f"{n}.s1"], group_size=4, replicas=2, ino=10 + i)
+                  for i, n in enumerate(order)]
+        answers = await report_all(keeper, bodies)
+        assert {a["round"] for a in answers} == {"job#1"} and all(a["plan"] == "dedup" for a in answers)
+        assert all(a["makespan_s"] == 0.0 and a["lp_bound_s"] == 0.0 for a in answers)  # nothing was solved
+        uploaders = collections.defaultdict(list)  # chunk -> (file position, node that sends the bytes)
+        for pos, (b, a) in enumerate(zip(bodies, answers)):
+            for idx, node in a["persist"].items():
+                uploaders[b["file"]["chunks"][int(idx)]].append((pos, node))
+        assert len(uploaders) == 6 + 4 * 2
+        for hexkey, ups in uploaders.items():
+            first = next(pos for pos, b in enumerate(bodies) if hexkey in b["file"]["chunks"])
+            assert ups == [(first, bodies[first]["node"])], (hexkey, ups)
+        assert all(answers[0]["persist"][str(j)] == "n3" for j in range(6))
+        for b, a in zip(bodies[1:], answers[1:]):
+            assert a["wait"] == list(range(6)) and set(a["persist"]) == {"6", "7"}
+        # The model chunks have 4 writers (>= 2 replicas): never moved.  Each shard chunk, one writer: one
+        # transfer, and both of a file's shard chunks to the same node, as a node alone would place them.
+        for b, a in zip(bodies, answers):
+            assert sorted(idx for idx, _ in a["stage"]) == [6, 7], a["stage"]
+            (dst,) = {dst for _, dst in a["stage"]}
+            assert dst != b["node"] and a["holders"] == [b["node"], *sorted({*order} - {b["node"]})]
+        holders = holders_after_staging(bodies, answers)
+        assert all(len(holders[key(lab)]) == 4 for lab in model)
+        assert all(len(nodes) == 2 for k, nodes in holders.items() if k not in {key(lab) for lab in model})
+        g = keeper.stats()["job"]
+        assert g["plan"] == "dedup" and g["unique_bytes"] == 14 * CHUNK_BYTES and g["bytes"] == 32 * CHUNK_BYTES
+
+    run(main)
+
+
+def test_dedup_mode_leaves_a_single_writers_upload_to_it():
+    """--plan dedup: rank 0's file is uploaded by rank 0 alone (the LP would spread it, see above)."""
+    async def main():
+        keeper = RoundKeeper(FakeMeta(), members(3, send=25 * GB, snic=1.25 * GB), backend_bw=100 * GB,
+                             window_s=0.05, wait_max_s=10, plan="dedup")
+        (a,) = await report_all(keeper, [body("n1", [*range(8), 0, None], replicas=1)])
+        assert a["persist"] == {str(i): "n1" for i in range(9)} and a["stage"] == [] and a["wait"] == []
+        assert a["holders"] == ["n1"] and a["unique_bytes"] == 8 * CHUNK_BYTES
+        (a,) = await report_all(keeper, [body("n2", range(4), replicas=5)])  # more replicas than nodes: all 3
+        assert sorted(dst for _, dst in a["stage"]) == ["n1"] * 4 + ["n3"] * 4 and a["replicas"] == 3
+
+    run(main)
+
+
+def test_dedup_mode_copies_durable_chunks_and_refuses_unknown_modes():
+    async def main():
+        src = Source("ckpt/step1/a.bin", 0, CHUNK_BYTES, '"e"')
+        keeper = RoundKeeper(FakeMeta({key("a"): src}), members(2), backend_bw=GB, window_s=5, wait_max_s=10,
+                             plan="dedup")
+        a1, a2 = await report_all(keeper, [body("n1", ["a", "b"], group_size=2), body("n2", ["b", "a"], group_size=2)])
+        assert a1["copy"] == {"0": {"backend_key": "ckpt/step1/a.bin", "offset": 0, "length": CHUNK_BYTES, "etag": '"e"'}}
+        assert a1["persist"] == {"1": "n1"} and a2["persist"] == {} and a2["wait"] == [0] and "1" in a2["copy"]
+        assert a1["stage"] == a2["stage"] == []  # b has two writers, a is durable
+        with pytest.raises(InvalidArgument, match="plan mode 'greedy'"):
+            RoundKeeper(None, members(1), backend_bw=GB, plan="greedy")
+
+    run(main)
+
+
 def test_infeasible_round_answers_every_report_with_an_error(caplog):
     async def main():
         keeper = RoundKeeper(FakeMeta(), members(2, dram=0), backend_bw=100 * GB, window_s=5, wait_max_s=10)
@@ -287,7 +354,7 @@ def test_infeasible_round_answers_every_report_with_an_error(caplog):
 
     with caplog.at_level(logging.WARNING, logger="aiturbofs.controller"):
         run(main)
-    assert "job#1 (2 files) not planned" in caplog.text
+    assert "round_failed round=job#1 files=2" in caplog.text
 
 
 def test_a_dead_nodes_report_leaves_the_open_round():
@@ -411,7 +478,7 @@ def test_join_heartbeat_and_dead_detection(caplog):
 
     with caplog.at_level(logging.WARNING, logger="aiturbofs.controller"):
         run(main)
-    assert "node n2 is dead: no heartbeat for" in caplog.text
+    assert "node_dead node=n2 reason='no heartbeat for" in caplog.text
 
 
 def test_reports_over_the_fabric():
@@ -433,6 +500,27 @@ def test_reports_over_the_fabric():
             assert len(answers["n1"]["persist"]) + len(answers["n2"]["persist"]) == 4
             status = await peers["n1"].control({"op": "status"})
             assert status["groups"]["job"]["files"] == 2
+
+    run(main)
+
+
+def test_a_dedup_controller_answers_over_the_fabric():
+    async def main():
+        async with cluster(window_s=5, wait_max_s=10, plan="dedup") as c:
+            peers = {n: await c.connect(n) for n in ("n1", "n2")}
+            for n, peer in peers.items():
+                await peer.control(join_body(n))
+            answers = {}
+
+            async def one(n):
+                answers[n] = await peers[n].control(body(n, range(4), group_size=2))
+
+            async with trio.open_nursery() as reports:
+                reports.start_soon(one, "n1")
+                await trio.testing.wait_all_tasks_blocked()
+                reports.start_soon(one, "n2")
+            assert answers["n1"]["persist"] == {str(i): "n1" for i in range(4)} and answers["n2"]["wait"] == [0, 1, 2, 3]
+            assert (await peers["n2"].control({"op": "status"}))["groups"]["job"]["plan"] == "dedup"
 
     run(main)
 
@@ -527,8 +615,15 @@ def aiturbo_controller(*args, **kw):
 def test_cli_help():
     out = subprocess.run([sys.executable, "-m", "aiturbofs.cli.main", "controller", "--help"], capture_output=True,
                          text=True, env=dict(os.environ, PYTHONPATH=REPO), check=True).stdout
-    for word in ("--listen", "--meta", "--secret-file", "--backend-gbps", "--log-level", "SIGTERM"):
+    for word in ("--listen", "--meta", "--secret-file", "--backend-gbps", "--plan", "--log-level", "SIGTERM"):
         assert word in out
+
+
+def test_cli_refuses_an_unknown_plan_mode(tmp_path):
+    proc = aiturbo_controller("--listen", "127.0.0.1:0", "--meta", f"sqlite:///{tmp_path}/meta.db",
+                              "--secret-file", str(tmp_path / "secret"), "--plan", "greedy")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "--plan" in err and "'greedy'" in err, err
 
 
 def test_cli_refuses_a_readable_secret(tmp_path):
@@ -572,7 +667,7 @@ def test_cli_serves_nodes_and_stops_on_sigterm(tmp_path):
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err
-        assert "node n1 joined" in err and "SIGTERM" in err
+        assert "node_joined node=n1" in err and "SIGTERM" in err
     finally:
         if proc.poll() is None:
             proc.kill()

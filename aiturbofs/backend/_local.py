@@ -113,7 +113,7 @@ class LocalBackend(Backend):
 
     async def list_dir(self, key: str) -> list[ObjectInfo]:
         check_key(key, allow_root=True)
-        return await self._run(f"list {key!r}", _list_sync, self._path(key), key)
+        return await self._run(f"list {key!r}", _list_sync, self._path(key), key, self._root)
 
     async def stat(self, key: str) -> ObjectInfo | None:
         check_key(key, allow_root=True)
@@ -129,7 +129,8 @@ class LocalBackend(Backend):
         path = self._path(key)
         nonce = secrets.token_hex(_TEMP_NONCE_BYTES)
         # Not cancellable: an abandoned create would leak the fd and the temp file.
-        tmp_path, fd = await self._run(f"start upload of {key!r}", _create_temp_sync, path, nonce, cancellable=False)
+        tmp_path, fd = await self._run(f"start upload of {key!r}", _create_temp_sync, path, nonce, self._root,
+                                       cancellable=False)
         return LocalUpload(self, key, part_bytes, path, tmp_path, fd, nonce)
 
     async def _write_remote_part(self, key: str, token: str, index: int, data: Buffer, part_bytes: int) -> str:
@@ -146,7 +147,7 @@ class LocalBackend(Backend):
         """Rename, atomically; a directory moves too, but only here (not portable)."""
         check_key(src)
         check_key(dst)
-        await self._run(f"move {src!r} to {dst!r}", _move_sync, self._path(src), self._path(dst))
+        await self._run(f"move {src!r} to {dst!r}", _move_sync, self._path(src), self._path(dst), self._root)
 
     async def delete(self, key: str) -> None:
         """Unlink; raises ``BackendError`` if ``key`` is a directory."""
@@ -303,7 +304,26 @@ def _etag(st: os.stat_result) -> str | None:
     return f"{st.st_mtime_ns}-{st.st_size}" if stat_mod.S_ISREG(st.st_mode) else None
 
 
-def _list_sync(path: str, key: str) -> list[ObjectInfo]:
+def _outside(path: str, root: str) -> bool:
+    """True if ``path`` resolves (through symlinks in the backend) outside ``root``."""
+    real, top = os.path.realpath(path), os.path.realpath(root)
+    return real != top and not real.startswith(top.rstrip(os.sep) + os.sep)
+
+
+def _escapes(entry: os.DirEntry, root: str) -> bool:
+    """True for a symlink that resolves outside ``root``: listing it would let
+    the mount read (and the persister write) files the backend does not own."""
+    return entry.is_symlink() and _outside(entry.path, root)
+
+
+def _check_inside(directory: str, root: str) -> None:
+    """Refuse to write below a directory that a symlink leads out of the root."""
+    if _outside(directory, root):
+        raise BackendError(f"{directory} resolves to {os.path.realpath(directory)}, outside the backend root {root} "
+                           "(a symlink in the backend): refusing to write there")
+
+
+def _list_sync(path: str, key: str, root: str) -> list[ObjectInfo]:
     try:
         entries = os.scandir(path)
     except (FileNotFoundError, NotADirectoryError):
@@ -311,7 +331,7 @@ def _list_sync(path: str, key: str) -> list[ObjectInfo]:
     out = []
     with entries:
         for entry in entries:
-            if entry.name.startswith(UPLOAD_TEMP_PREFIX):
+            if entry.name.startswith(UPLOAD_TEMP_PREFIX) or _escapes(entry, root):
                 continue
             try:
                 info = _info(join_key(key, entry.name), entry.stat())
@@ -360,10 +380,11 @@ def _temp_name(basename: str, nonce: str) -> str:
 _DIR_RACE_TRIES = 3
 
 
-def _create_temp_sync(path: str, nonce: str) -> tuple[str, int]:
+def _create_temp_sync(path: str, nonce: str, root: str) -> tuple[str, int]:
     parent = os.path.dirname(path)
     tmp_path = os.path.join(parent, _temp_name(os.path.basename(path), nonce))
     for attempt in range(_DIR_RACE_TRIES):
+        _check_inside(parent, root)  # before makedirs, which would create directories out there
         os.makedirs(parent, exist_ok=True)
         try:
             fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
@@ -457,9 +478,10 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _move_sync(src: str, dst: str) -> None:
+def _move_sync(src: str, dst: str, root: str) -> None:
     os.stat(src)  # a missing source must not be reported as a missing target parent
     for attempt in range(_DIR_RACE_TRIES):
+        _check_inside(os.path.dirname(dst), root)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         try:
             os.replace(src, dst)

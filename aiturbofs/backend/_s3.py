@@ -11,14 +11,19 @@ that loop and awaited from trio through a future (``_on_loop``), behind a
 ``CapacityLimiter``: a timeout or cancellation then cancels the request on
 the s3fs loop too, instead of abandoning a worker thread that would keep
 reading the caller's buffer.  Nothing here retries (botocore's and s3fs's
-retries are switched off): the persister owns retries and backoff.
+retries are switched off): the persister owns retries and backoff.  The one
+exception is an abort that failed: only this object knows the upload id, so
+it aborts that upload again after the next publish and at close
+(``_stale_uploads``), instead of leaving its parts in the bucket.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import errno
 import hashlib
+import logging
 from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
@@ -47,6 +52,7 @@ from .._limits import (
     S3_PART_BYTES_MIN,
     S3_PARTS_MAX,
     S3_PUT_BYTES_MAX,
+    S3_STALE_UPLOADS_MAX,
 )
 from ._base import (
     Backend,
@@ -65,6 +71,8 @@ from ._base import (
 )
 
 assert CHUNK_BYTES >= S3_PART_BYTES_MIN, "every part but the last must meet S3's minimum"
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
@@ -182,6 +190,11 @@ class S3Backend(Backend):
         self._prefix = prefix
         self._timeout_s = timeout_s
         self._limiter = trio.CapacityLimiter(BACKEND_THREADS_MAX)
+        # Multipart uploads whose abort failed (S3 down or answering 5xx):
+        # upload id -> S3 key, aborted again after the next publish (S3 answers
+        # again) and at close.  Without this an outage during an upload left
+        # its parts in the bucket, invisible and billed, until a lifecycle rule.
+        self._stale_uploads: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     @classmethod
     async def open(cls, url: str, options: dict[str, Any]) -> "S3Backend":
@@ -279,12 +292,49 @@ class S3Backend(Backend):
         check_key(key, allow_root=True)
 
     async def aclose(self) -> None:
+        with trio.move_on_after(self._timeout_s):
+            await self._abort_stale_uploads()
+        if self._stale_uploads:
+            log.warning("s3_uploads_left_open count=%d root=%s uploads=%s", len(self._stale_uploads),
+                        self.url, ",".join(f"{k}:{u}" for u, k in self._stale_uploads.items()))
         # s3fs closes its client only when the filesystem is garbage
         # collected; close it now so no socket outlives the backend.
         with trio.move_on_after(self._timeout_s), _mapped("close"):
             await _on_loop(self._fs.loop, self._close_client())
 
     # -- helpers --
+
+    async def _abort_upload(self, s3_key: str, upload_id: str) -> None:
+        """Abort a multipart upload now, or remember it to abort later.
+
+        Never raises ``TransientBackendError``: an upload the server may
+        still hold is kept in ``_stale_uploads`` instead (the persister's
+        retry opens a new upload, so nothing else would ever abort this one).
+        """
+        try:
+            await self._call(
+                f"abort upload of {s3_key!r}", "abort_multipart_upload",
+                Bucket=self._bucket, Key=s3_key, UploadId=upload_id,
+            )
+        except BackendNotFound:
+            pass  # already gone (an earlier abort whose answer was lost)
+        except TransientBackendError as e:
+            self._stale_uploads[upload_id] = s3_key
+            while len(self._stale_uploads) > S3_STALE_UPLOADS_MAX:
+                lost_id, lost_key = self._stale_uploads.popitem(last=False)
+                log.warning("s3_upload_left_open key=%s upload_id=%s reason=too_many_stale_uploads", lost_key, lost_id)
+            log.info("s3_abort_deferred key=%s upload_id=%s error=%r", s3_key, upload_id, str(e))
+            return
+        self._stale_uploads.pop(upload_id, None)
+
+    async def _abort_stale_uploads(self) -> None:
+        """One more abort of each upload whose abort failed (see ``_abort_upload``)."""
+        for upload_id, s3_key in list(self._stale_uploads.items()):
+            self._stale_uploads.pop(upload_id, None)
+            try:
+                await self._abort_upload(s3_key, upload_id)
+            except BackendError as e:  # refused for good: nothing more to do about it
+                log.warning("s3_upload_left_open key=%s upload_id=%s error=%r", s3_key, upload_id, str(e))
 
     def _s3_key(self, key: str) -> str:
         return join_key(self._prefix, key) if key else self._prefix
@@ -418,6 +468,7 @@ class S3Upload(Upload):
         if not self._published:  # a retried complete goes straight to the check
             await self._publish(part_count)
             self._published = True
+            await self._b._abort_stale_uploads()  # S3 answers again
         info = await self._b._head(self.key)
         # Check the other side of the boundary: S3 servers differ in how they
         # treat odd copy ranges, and a wrong size must not pass silently.
@@ -442,17 +493,8 @@ class S3Upload(Upload):
     async def _discard_multipart(self) -> None:
         if self._upload_id is None:
             return
-        try:
-            await self._b._call(
-                f"abort upload of {self.key!r}",
-                "abort_multipart_upload",
-                Bucket=self._b._bucket,
-                Key=self._s3_key,
-                UploadId=self._upload_id,
-            )
-        except BackendNotFound:
-            pass  # already gone
-        self._upload_id = None
+        upload_id, self._upload_id = self._upload_id, None
+        await self._b._abort_upload(self._s3_key, upload_id)
 
     def _store_etag(self, index: int, etag: str) -> None:
         self._etags[index] = etag

@@ -12,12 +12,17 @@ import errno
 import functools
 import glob
 import json
-import logging
 import os
 import sys
 import time
 
-from .._limits import CONTROLLER_BACKEND_GBPS_DEFAULT, WAIT_POLL_S
+from .._limits import (
+    CONFIG_PATH_DEFAULT,
+    CONTROLLER_BACKEND_GBPS_DEFAULT,
+    METRICS_CONTROLLER_ADDRESS_DEFAULT,
+    STATUS_LIST_MAX,
+    WAIT_POLL_S,
+)
 
 STATE_XATTR = "user.aiturbo.state"
 
@@ -99,9 +104,10 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def _print_status(s: dict) -> None:
+def _print_status(s: dict, clusters_shown: set) -> None:
+    """One daemon's status, on one screen; a cluster's node table once per cluster."""
     pool, p = s["pool"], s["persist"]
-    print(f"{s['mountpoint']}  <-  {s['backend']}   (up {s['uptime_s']:.0f} s)")
+    print(f"{s['mountpoint']}  <-  {s['backend']}   (up {s['uptime_s']:.0f} s)   metrics {s.get('metrics') or 'off'}")
     print(f"  pool     {_human(pool['used_bytes'])} used of {_human(pool['budget_bytes'])}: "
           f"dirty {_human(pool['dirty_bytes'])}, clean {_human(pool['clean_bytes'])}, "
           f"open {_human(pool['open_bytes'])}, spilled {_human(pool['spilled_bytes'])}"
@@ -109,6 +115,7 @@ def _print_status(s: dict) -> None:
     print(f"  persist  queue {p['queue']}, durable {p['files_durable']}, broken {p['files_broken']}, "
           f"uploaded {_human(p['bytes_uploaded'])}, retries {p['retries']}"
           + (f", copied server-side {_human(p['bytes_copied'])}" if p.get("bytes_copied") else ""))
+    _print_list("queued", p["queued"], p["queue"])
     c = s.get("cluster")
     if c:
         ctl = c["controller"] or "none"
@@ -116,17 +123,43 @@ def _print_status(s: dict) -> None:
             ctl += " (connected)" if c["controller_connected"] else " (UNREACHABLE)"
         print(f"  cluster  node {c['node']} at {c['fabric']} ({c['transport']}), replicas {c['replicas']}, "
               f"controller {ctl}")
-        print(f"           members {', '.join(c['members'])}" + (f"; dead {', '.join(c['dead'])}" if c["dead"] else ""))
         print(f"           rounds {c['rounds']} ({c['rounds_failed']} without a plan), replicated {_human(c['bytes_replicated'])}, "
               f"holding replicas of {c['replica_files_held']} file(s)")
-    for path in p["queued"]:
-        print(f"           - {path}")
+        nodes = s.get("nodes") or []
+        members = frozenset((n["node"], n["fabric"]) for n in nodes)  # names alone: two test clusters share them
+        if members and members not in clusters_shown:
+            clusters_shown.add(members)
+            _print_nodes(nodes)
     for name, g in s.get("groups", {}).items():
         print(f"  group {name}: {g['files']} file(s), {_human(g['bytes'])}, {g['chunks']} chunks, {g['distinct_chunks']} distinct")
     if s["errors"]:
-        print("  recent errors:")
-        for e in s["errors"]:
-            print(f"    {e}")
+        _print_list("recent errors", s["errors"][-STATUS_LIST_MAX:], len(s["errors"]))
+
+
+def _print_list(title: str, items: list, total: int) -> None:
+    if not items:
+        return
+    print(f"  {title}:")
+    for item in items[:STATUS_LIST_MAX]:
+        print(f"    {item}")
+    if total > STATUS_LIST_MAX:
+        print(f"    ... {total - STATUS_LIST_MAX} more")
+
+
+_NODE_COLUMNS = "  {:<12} {:<5} {:>5} {:>21} {:>9} {:>5} {:>7} {:>6} {:>9}  {}"
+
+
+def _print_nodes(nodes: list[dict]) -> None:
+    """One line per node of the cluster, from the summaries the nodes last sent."""
+    print(_NODE_COLUMNS.format("NODE", "STATE", "SEEN", "POOL USED / BUDGET", "DIRTY", "QUEUE", "DURABLE", "BROKEN",
+                               "UPLOADED", "METRICS"))
+    for n in nodes:
+        known = "pool_used" in n  # a node that never sent a summary (an older daemon, or just joined)
+        pool = f"{_human(n['pool_used'])} / {_human(n['pool_budget'])}" if known else "-"
+        print(_NODE_COLUMNS.format(
+            n["node"][:12], n["state"], f"{n['seen_s_ago']:.0f}s", pool,
+            _human(n["dirty"]) if known else "-", n.get("queue", "-"), n.get("durable", "-"), n.get("broken", "-"),
+            _human(n["uploaded"]) if known else "-", n.get("metrics") or "-"))
 
 
 def cmd_status(args) -> int:
@@ -134,6 +167,7 @@ def cmd_status(args) -> int:
 
     code = 0
     shown = 0
+    clusters_shown: set = set()
     for path in _sockets(args.mountpoint):
         try:
             s = call(path, {"cmd": "status"})
@@ -150,7 +184,7 @@ def cmd_status(args) -> int:
         if args.json:
             print(json.dumps(s))
         else:
-            _print_status(s)
+            _print_status(s, clusters_shown)
     if not shown and not code:
         print("aiturbo status: no running aiturbofs daemon found", file=sys.stderr)
         return 1
@@ -174,14 +208,21 @@ def cmd_controller(args) -> int:
 
     from .._errors import AiturboError
     from ..controller import run_controller
+    from ..node._metrics import controller_endpoint
+    from ._journal import log_to_stderr
 
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    missing = [f"--{name.replace('_', '-')}" for name in ("listen", "meta", "secret_file") if not getattr(args, name)]
+    if missing:
+        print(f"aiturbo controller: {', '.join(missing)} missing: give them, or set them in the [controller] table "
+              "of a config file named with --config FILE", file=sys.stderr)
+        return 2
+    log_to_stderr(args.log_level.upper())  # in the journal's format under systemd
 
     async def serve():
         async with trio.open_nursery() as nursery:
             address = await nursery.start(functools.partial(
-                run_controller, args.listen, args.meta, args.secret_file, backend_gbps=args.backend_gbps))
+                run_controller, args.listen, args.meta, args.secret_file, backend_gbps=args.backend_gbps,
+                plan=args.plan, metrics=controller_endpoint(args.metrics)))
             print(f"controller listening on {address}", flush=True)
 
     try:
@@ -192,7 +233,8 @@ def cmd_controller(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The ``aiturbo`` parser and its ``controller`` subparser (whose flags a config file may set)."""
     p = argparse.ArgumentParser(prog="aiturbo", description="Operate aiturbofs mounts.")
     sub = p.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("wait", help="block until files are durable in the backend, with progress")
@@ -213,17 +255,63 @@ def main(argv: list[str] | None = None) -> int:
                     "fabric, heartbeat, and report the files of their group rounds; it deduplicates each round "
                     "and answers with the staging and persist plan.  Membership is kept in the metadata engine, "
                     "so a restarted controller picks up the cluster again.  Stops cleanly on SIGTERM or SIGINT.")
-    ct.add_argument("--listen", required=True, metavar="HOST:PORT",
+    ct.add_argument("--config", metavar="FILE",
+                    help="read these settings from the [controller] table of a TOML config file "
+                         f"(e.g. {CONFIG_PATH_DEFAULT}); flags given here override it")
+    ct.add_argument("--listen", metavar="HOST:PORT",
                     help="fabric address to serve nodes on ([v6addr]:port for IPv6; port 0 picks a free one)")
-    ct.add_argument("--meta", required=True, metavar="URL",
+    ct.add_argument("--meta", metavar="URL",
                     help="metadata engine shared with the nodes, e.g. postgresql://host/db or sqlite:///abs/path.db")
-    ct.add_argument("--secret-file", required=True, metavar="FILE",
+    ct.add_argument("--secret-file", metavar="FILE",
                     help="the cluster secret the nodes also use (mode 0600, owned by this user, >= 16 bytes)")
     ct.add_argument("--backend-gbps", type=float, default=CONTROLLER_BACKEND_GBPS_DEFAULT, metavar="G",
                     help="aggregate backend bandwidth in Gbit/s the planner assumes (default %(default)s)")
+    ct.add_argument("--plan", default="lp", choices=["lp", "dedup"],
+                    help="how write rounds are planned: lp (default) dedups chunks across the round's files and "
+                         "lets the LP plan spread staging transfers and uploads over the nodes; dedup only dedups: "
+                         "each unique chunk is uploaded by the node of the first file holding it, with no "
+                         "transfers beyond the replicas (for measuring what the plan adds)")
+    ct.add_argument("--metrics", metavar="HOST:PORT",
+                    help="serve Prometheus metrics at http://HOST:PORT/metrics, or off (default "
+                         f"{METRICS_CONTROLLER_ADDRESS_DEFAULT}; if taken, an ephemeral loopback port, logged)")
     ct.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                     help="log verbosity on stderr (default %(default)s)")
+    cf = sub.add_parser("config", help="check a TOML config file")
+    cfs = cf.add_subparsers(dest="config_cmd", required=True)
+    cc = cfs.add_parser("check", help="validate a config file and print the effective settings",
+                        description="Validate a config file (its [mount] and [controller] tables) and print the "
+                                    "effective settings, one a line, values the file does not set marked (default).  "
+                                    "Exit 0 when valid, 1 listing every problem.")
+    cc.add_argument("file", nargs="?", default=CONFIG_PATH_DEFAULT, help="the file (default %(default)s)")
+    return p, ct
+
+
+def controller_actions() -> dict:
+    """The flags of `aiturbo controller` a config file's [controller] table may set, by dest."""
+    from ._config import controller_actions as actions
+
+    return actions(_parser()[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ._config import check
+
+    p, ct = _parser()
     args = p.parse_args(argv)
+    if args.cmd == "config":
+        return check(args.file, controller_actions(), sys.stdout, sys.stderr)
+    if args.cmd == "controller" and args.config:
+        # the file's [controller] table becomes the defaults, so flags given still win
+        from .._errors import AiturboError
+        from ._config import load_config
+
+        try:
+            ct.set_defaults(**load_config(args.config, controller_actions()).controller)
+        except AiturboError as exc:
+            for line in str(exc).splitlines():
+                print(f"aiturbo controller: {line}", file=sys.stderr)
+            return 1
+        args = p.parse_args(argv)
     if args.cmd == "wait":
         return cmd_wait(args)
     if args.cmd == "status":

@@ -65,5 +65,6 @@ class ReadRoundKeeper(RoundKeeper):
     def _record(self, group: str, a: dict) -> None:
         g = self._count(group, a)
         g.last = {"round": a["round"], "readers": a["readers"], "fetch_bytes": a["fetch_bytes"]}
-        log.info("read round %s: %d files on %d readers, %d bytes, %d unique; storage fetches %s",
+        self.plans += 1
+        log.info("read_round_planned round=%s files=%d readers=%d bytes=%d unique=%d fetches=%s",
                  a["round"], a["files"], a["readers"], a["total_bytes"], a["unique_bytes"], a["fetch_bytes"])

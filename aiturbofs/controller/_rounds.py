@@ -7,6 +7,14 @@ already durable in the backend (``meta.chunk_sources``), the remaining
 unique chunks are planned over the live members (``planner``), and every
 report is answered with its own file's share of the plan.
 
+The plan mode (``PLAN_MODES``) is a factor of the benchmarks' analysis:
+``lp`` (the default) plans transfers, holders and uploaders with the LP;
+``dedup`` only deduplicates: each unique chunk is uploaded by the node of the
+first reported file that holds it, and the only transfers are the ones that
+bring a chunk up to ``replicas`` holders, to the nodes a node placing its
+file alone would choose.  The answers have the same shape either way, so the
+nodes cannot tell the modes apart.
+
 A round closes when ``group_size`` distinct files reported, or
 ``window_s`` after its first report when the group has no size, and in any
 case ``wait_max_s`` after its first report.  ``report`` is a long poll: it
@@ -23,6 +31,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import blake3
 import numpy as np
 import trio
 
@@ -42,6 +51,9 @@ from .._limits import (
 from ..planner import NodeSpec, PlanInput, Planner
 
 log = logging.getLogger(__name__)
+
+PLAN_MODES = ("lp", "dedup")  # see the module doc
+
 
 @dataclass
 class FileReport:
@@ -136,18 +148,23 @@ class RoundKeeper:
     a round is planned, so the caller keeps it current and calls
     ``drop_node`` when a node dies or leaves.  ``meta`` needs only
     ``chunk_sources(keys)``; ``None`` means nothing is durable yet.
-    ``backend_bw`` is in bytes/s.
+    ``backend_bw`` is in bytes/s.  ``plan`` is one of ``PLAN_MODES``.
     """
 
     def __init__(self, meta, members: Mapping, *, backend_bw: float, planner: Planner | None = None,
-                 window_s: float = ROUND_WINDOW_S, wait_max_s: float = ROUND_WAIT_MAX_S):
+                 window_s: float = ROUND_WINDOW_S, wait_max_s: float = ROUND_WAIT_MAX_S, plan: str = "lp"):
         assert backend_bw > 0 and 0 < window_s <= wait_max_s
+        if plan not in PLAN_MODES:
+            raise InvalidArgument(f"plan mode {plan!r}: choose one of {', '.join(PLAN_MODES)}")
+        self.plan_mode = plan
         self.meta = meta
         self.members = members
         self.backend_bw = backend_bw
         self.planner = planner or Planner()
         self.window_s, self.wait_max_s = window_s, wait_max_s
         self._open: dict[str, _Round] = {}
+        # for the metrics endpoint: rounds planned, and their solve and planned times
+        self.plans, self.plan_s_total, self.makespan_s_total = 0, 0.0, 0.0
         self._stats: collections.OrderedDict[str, GroupStats] = collections.OrderedDict()
 
     async def report(self, node: str, body: dict) -> dict:
@@ -174,7 +191,7 @@ class RoundKeeper:
                     self._withdraw(rnd, key)  # the reporter went away before the round closed
             if not rnd.closed.is_set():
                 if rnd.size and len(rnd.reports) < rnd.size:
-                    log.warning("round %s closed short: %d of %d files after %.1f s", rnd.name,
+                    log.warning("round_short round=%s files=%d of=%d waited_s=%.1f", rnd.name,
                                 len(rnd.reports), rnd.size, self.wait_max_s)
                     self._group(group).short += 1
                 await self._close(rnd)
@@ -247,7 +264,7 @@ class RoundKeeper:
         self._fail(rnd, f"nodes kept dying during {ROUND_PLANS_MAX} plans")
 
     def _fail(self, rnd: _Round, why: str) -> None:
-        log.warning("round %s (%d files) not planned: %s; its nodes place their files alone",
+        log.warning("round_failed round=%s files=%d reason=%r (its nodes place their files alone)",
                     rnd.name, len(rnd.reports), why)
         self._group(rnd.group).errors += 1
         for key in rnd.reports:
@@ -271,7 +288,9 @@ class RoundKeeper:
         stage: list[list] = [[] for _ in files]
         persister: dict[bytes, str] = {}
         figures = {"lp_bound_s": 0.0, "makespan_s": 0.0, "plan_s": 0.0, "cached": False}
-        if pending:
+        if pending and self.plan_mode == "dedup":
+            self._first_writers(pending, chunks, files, nodes, replicas, stage, persister)
+        elif pending:
             plan = await trio.to_thread.run_sync(self.planner.plan, self._input(pending, chunks, members, replicas),
                                                  cancellable=True)
             figures = {"lp_bound_s": plan.lp_bound_s, "makespan_s": plan.makespan_s, "plan_s": plan.solve_s,
@@ -290,7 +309,7 @@ class RoundKeeper:
                 ch.dests.add(nodes[dst])
         unique = sum(c.length for c in chunks.values())
         durable = sum(chunks[k].length for k in sources)
-        common = {"round": rnd.name, "files": len(files), "replicas": replicas, **figures,
+        common = {"round": rnd.name, "plan": self.plan_mode, "files": len(files), "replicas": replicas, **figures,
                   "unique_bytes": unique, "total_bytes": total, "durable_bytes": durable}
         answers = {}
         for pos, (key, rep) in enumerate(files):
@@ -312,6 +331,30 @@ class RoundKeeper:
                             "persist": persist, "copy": copy, "wait": wait}
         return answers
 
+    @staticmethod
+    def _first_writers(pending: list[bytes], chunks: dict[bytes, _Chunk], files: list, nodes: list[str],
+                       replicas: int, stage: list[list], persister: dict[bytes, str]) -> None:
+        """Dedup without a plan: the first file's node uploads each chunk and sends the missing replicas.
+
+        The replica targets are the live nodes in the rendezvous order of the
+        file's inode, the order a node placing its file alone uses
+        (``node._cluster``'s ``_candidates``), so this mode differs from an
+        untagged write only by the dedup.
+        """
+        for k in pending:
+            ch = chunks[k]
+            pos, idx = ch.writers[files[ch.first_file][1].node]  # setdefault kept the first file's place
+            rep = files[pos][1]
+            persister[k] = rep.node
+            missing = replicas - len(ch.writers)
+            if missing <= 0:
+                continue
+            order = sorted((n for n in nodes if n not in ch.writers),
+                           key=lambda n: blake3.blake3(f"{rep.ino}/{n}".encode()).digest())
+            for dst in order[:missing]:
+                stage[pos].append([idx, dst])
+                ch.dests.add(dst)
+
     def _count(self, group: str, a: dict) -> GroupStats:
         """Add a planned round (its first answer, ``a``) to its group's figures."""
         g = self._group(group)
@@ -324,10 +367,18 @@ class RoundKeeper:
     def _record(self, group: str, a: dict) -> None:
         g = self._count(group, a)
         g.durable_bytes += a["durable_bytes"]
-        g.last = {k: a[k] for k in ("round", "lp_bound_s", "makespan_s", "plan_s", "cached")}
-        log.info("round %s: %d files, %d bytes, %d unique, %d durable; plan %.3f s (bound %.3f s), solved in %.3f s%s",
-                 a["round"], a["files"], a["total_bytes"], a["unique_bytes"], a["durable_bytes"], a["makespan_s"],
-                 a["lp_bound_s"], a["plan_s"], " (cached)" if a["cached"] else "")
+        self.plans += 1
+        self.plan_s_total += a["plan_s"]
+        self.makespan_s_total += a["makespan_s"]
+        g.last = {k: a[k] for k in ("round", "plan", "lp_bound_s", "makespan_s", "plan_s", "cached")}
+        if a["plan"] == "dedup":
+            log.info("round_deduped round=%s files=%d bytes=%d unique=%d durable=%d plan=dedup "
+                     "(no LP: each unique chunk is uploaded by its first file's node)", a["round"], a["files"],
+                     a["total_bytes"], a["unique_bytes"], a["durable_bytes"])
+            return
+        log.info("round_planned round=%s files=%d bytes=%d unique=%d durable=%d makespan_s=%.3f bound_s=%.3f "
+                 "solve_s=%.3f cached=%s", a["round"], a["files"], a["total_bytes"], a["unique_bytes"],
+                 a["durable_bytes"], a["makespan_s"], a["lp_bound_s"], a["plan_s"], "yes" if a["cached"] else "no")
 
     def _input(self, pending: list[bytes], chunks: dict[bytes, _Chunk], members: dict[str, NodeSpec],
                replicas: int) -> PlanInput:

@@ -11,6 +11,7 @@ It never serves chunks: ``get_chunk`` has none, ``put_chunk`` refuses.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -28,6 +29,7 @@ from .._limits import (
     NODES_MAX,
     ROUND_WAIT_MAX_S,
     ROUND_WINDOW_S,
+    STATUS_SUMMARY_BYTES_MAX,
 )
 from ..fabric import PeerInfo, TcpTransport, load_secret
 from ..meta import NODE_ALIVE as ALIVE
@@ -36,7 +38,7 @@ from ..meta import NODE_LEFT as LEFT
 from ..meta import open_meta
 from ..planner import NodeSpec, Planner
 from ._reads import ReadRoundKeeper
-from ._rounds import RoundKeeper
+from ._rounds import PLAN_MODES, RoundKeeper
 
 log = logging.getLogger(__name__)
 
@@ -69,18 +71,19 @@ class ControllerServer:
 
     ``meta`` needs ``nodes``, ``upsert_node``, ``node_heartbeat``,
     ``set_node_state`` and ``chunk_sources``.  ``backend_bw`` is in bytes/s.
+    ``plan`` is how write rounds are planned (``_rounds.PLAN_MODES``).
     """
 
     def __init__(self, meta, *, backend_bw: float, planner: Planner | None = None,
                  heartbeat_s: float = NODE_HEARTBEAT_S, dead_after_s: float = NODE_DEAD_AFTER_S,
-                 window_s: float = ROUND_WINDOW_S, wait_max_s: float = ROUND_WAIT_MAX_S):
+                 window_s: float = ROUND_WINDOW_S, wait_max_s: float = ROUND_WAIT_MAX_S, plan: str = "lp"):
         assert 0 < heartbeat_s < dead_after_s
         self.meta = meta
         self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
         self.nodes: dict[str, _Node] = {}  # every node known, whatever its state
         self.members: dict[str, NodeSpec] = {}  # alive and joined: what rounds are planned over
         self.rounds = RoundKeeper(meta, self.members, backend_bw=backend_bw, planner=planner,
-                                  window_s=window_s, wait_max_s=wait_max_s)
+                                  window_s=window_s, wait_max_s=wait_max_s, plan=plan)
         self.reads = ReadRoundKeeper(meta, self.members, backend_bw=backend_bw, planner=planner,
                                   window_s=window_s, wait_max_s=wait_max_s)
 
@@ -122,7 +125,7 @@ class ControllerServer:
         rejoin = name in self.nodes
         self.nodes[name] = _Node(name, fabric, ALIVE, info, trio.current_time())
         self.members[name] = spec
-        log.info("node %s %s from %s", name, "rejoined" if rejoin else "joined", fabric)
+        log.info("node_%s node=%s fabric=%s", "rejoined" if rejoin else "joined", name, fabric)
         return {"ok": True, "heartbeat_s": self.heartbeat_s, "nodes": [n.listing() for n in self.nodes.values()]}
 
     async def _heartbeat(self, name: str, body: dict) -> dict:
@@ -133,6 +136,9 @@ class ControllerServer:
         if body.get("dram_free") is not None:
             info = {**node.info, "dram_free": body["dram_free"]}
             self.members[name], node.info = _spec(info), info
+        summary = body.get("summary")
+        if isinstance(summary, dict) and len(json.dumps(summary)) <= STATUS_SUMMARY_BYTES_MAX:
+            node.info = {**node.info, "summary": summary}  # what `aiturbo status` shows of it
         await self.meta.node_heartbeat(name, time.time_ns(), node.info)
         return {"nodes": [n.listing() for n in self.nodes.values() if n.state == ALIVE],
                 "dead": [n.name for n in self.nodes.values() if n.state == DEAD]}
@@ -168,7 +174,7 @@ class ControllerServer:
                     self.members[row.name] = _spec(row.info or {})
                 except InvalidArgument:
                     pass  # stored without figures: its next heartbeat is told to join again
-        log.info("controller: %d nodes known, %d alive", len(self.nodes), len(self.members))
+        log.info("controller_loaded nodes=%d alive=%d", len(self.nodes), len(self.members))
 
     async def _reap(self) -> None:
         while True:
@@ -183,18 +189,23 @@ class ControllerServer:
         self.members.pop(name, None)
         self.rounds.drop_node(name)
         self.reads.drop_node(name)
-        log.warning("node %s is %s: %s", name, state, why)
+        log.warning("node_%s node=%s reason=%r", state, name, why)
         try:
             await self.meta.set_node_state(name, state)
         except AiturboError as e:  # the in-memory view still holds; a restart re-detects it
             log.error("node %s: recording state %s failed: %s", name, state, e)
 
 
-async def run_controller(listen: str, meta_url: str, secret_path: str, *, backend_gbps: float,
-                         task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def run_controller(listen: str, meta_url: str, secret_path: str, *, backend_gbps: float, plan: str = "lp",
+                         metrics=None, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve the controller on ``listen`` (host:port) until cancelled, SIGTERM or SIGINT.
 
-    ``ConfigError`` for a bad address, secret file or metadata URL (before
+    ``metrics``: an async ``metrics(server, task_status=...)`` started next to
+    the server (the CLI passes the Prometheus endpoint: this layer serves no
+    HTTP); a ``ConfigError`` it raises ends the controller before it is started.
+
+    ``plan`` is how write rounds are planned (``_rounds.PLAN_MODES``).
+    ``ConfigError`` for a bad address, secret file, plan mode or metadata URL (before
     anything is served); ``task_status.started(address)`` once nodes can
     connect.  Call it from the main thread (it takes over SIGTERM and SIGINT).
     """
@@ -205,15 +216,20 @@ async def run_controller(listen: str, meta_url: str, secret_path: str, *, backen
     secret = load_secret(secret_path)
     if not (backend_gbps > 0 and math.isfinite(backend_gbps)):
         raise ConfigError(f"backend bandwidth must be a positive number of Gbit/s, not {backend_gbps}")
+    if plan not in PLAN_MODES:
+        raise ConfigError(f"plan mode {plan!r}: choose one of {', '.join(PLAN_MODES)}")
     meta = open_meta(meta_url)
     try:
         await meta.init(root_uid=os.getuid(), root_gid=os.getgid(), root_mode=0o40755)
-        server = ControllerServer(meta, backend_bw=backend_gbps * 1e9 / 8)
+        server = ControllerServer(meta, backend_bw=backend_gbps * 1e9 / 8, plan=plan)
         transport = TcpTransport(CONTROLLER_NODE, secret, host=host, port=port,
                                  in_flight_max=CONTROLLER_REQUESTS_PER_PEER_MAX)
         async with transport, trio.open_nursery() as nursery:
             address = await nursery.start(server.run, transport)
-            log.info("controller listening on %s (backend %.1f Gbit/s)", address, backend_gbps)
+            if metrics is not None:
+                await nursery.start(metrics, server)
+            log.info("controller listening on %s (backend %.1f Gbit/s, write rounds: %s)", address, backend_gbps,
+                     "LP plan" if plan == "lp" else "dedup only, no plan")
             task_status.started(address)
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for signum in signals:

@@ -100,6 +100,9 @@ class ClusterNode:
         # plan, and this node's place in the chains of planned rounds
         self._read_rounds: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
         self._read_planned: dict[int, trio.Event] = {}
+        # when reads of a file stop waiting for its pending plan: once per
+        # open, not per chunk (sequential reads each waited the full bound)
+        self._read_deadline: dict[int, float] = {}
         self._chain: dict[bytes, _Link] = {}
         self._unreachable: dict[str, float] = {}  # peer -> when connecting to it last failed
         self._nursery = None
@@ -107,7 +110,9 @@ class ClusterNode:
             "rounds": 0, "rounds_failed": 0, "chunks_replicated": 0, "bytes_replicated": 0,
             "chunks_received": 0, "chunks_served": 0, "chunks_fetched": 0, "last_plan": None,
             "read_rounds": 0, "chunks_from_chain": 0, "chunks_prefetched": 0, "last_read_plan": None,
+            "round_wait_s_total": 0.0, "plan_s_total": 0.0, "round_bytes_total": 0, "round_unique_bytes_total": 0,
         }
+        self.metrics_url: str | None = None  # set by the daemon once its metrics endpoint serves
 
     # ============================================================ lifecycle
     async def run(self, listen: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -124,8 +129,8 @@ class ClusterNode:
                 # that proved the cluster secret to it becomes a member.
                 await self.meta.upsert_node(self.node, self.address, self.bandwidths, time.time_ns())
             await self._refresh_members()
-            log.info("fabric (%s) serving at %s as node %r; replicas=%d; controller %s",
-                     self.transport.kind, self.address, self.node, self.replicas, self.controller_address or "embedded")
+            log.info("fabric_serving node=%s address=%s transport=%s replicas=%d controller=%s",
+                     self.node, self.address, self.transport.kind, self.replicas, self.controller_address or "embedded")
             if self.controller_address:
                 nursery.start_soon(self._controller_session)
             nursery.start_soon(self._housekeeping)
@@ -153,19 +158,20 @@ class ClusterNode:
                     raise RemoteError(f"join refused: {reply.get('error')}")
                 period = float(reply.get("heartbeat_s", 1.0))
                 self._controller = peer
-                log.info("joined the controller at %s%s", self.controller_address,
-                         f" after {time.monotonic() - down_since:.1f} s" if down_since else "")
+                log.info("controller_joined address=%s down_s=%.1f", self.controller_address,
+                         time.monotonic() - down_since if down_since else 0.0)
                 down_since = None
                 while True:
                     await trio.sleep(period)
-                    reply = await peer.control({"op": "heartbeat", "node": self.node, "dram_free": self._dram_free()})
+                    reply = await peer.control({"op": "heartbeat", "node": self.node, "dram_free": self._dram_free(),
+                                                "summary": self.summary()})
                     if reply.get("error"):
                         log.warning("controller: %s; joining again", reply["error"])
                         break
             except _PEER_ERRORS as exc:
                 if down_since is None:
                     down_since = time.monotonic()
-                    log.warning("controller at %s unreachable (%s); retrying every %.0f s", self.controller_address, exc, CLUSTER_RECONNECT_S)
+                    log.warning("controller_unreachable address=%s error=%r retry_s=%.0f", self.controller_address, exc, CLUSTER_RECONNECT_S)
             finally:
                 self._controller = None
                 if peer is not None:
@@ -181,7 +187,8 @@ class ClusterNode:
             await trio.sleep(CLUSTER_TAKEOVER_PERIOD_S)
             try:
                 if not self.controller_address:
-                    await self.meta.node_heartbeat(self.node, time.time_ns())
+                    await self.meta.node_heartbeat(self.node, time.time_ns(),
+                                                   {**self.bandwidths, "summary": self.summary()})
                 await self._refresh_members()
                 await self._release_holds()
                 if self.dead and self.fs is not None:
@@ -375,11 +382,16 @@ class ClusterNode:
 
     async def _report(self, request: StageRequest, keys: list[bytes]) -> dict | None:
         """The round plan for a grouped file, or None (then it is placed alone)."""
+        asked = trio.current_time()
         reply = await self._ask(self._body("report", request, keys), request.path, CLUSTER_REPORT_TIMEOUT_S)
         if reply is None:
             self.stats["rounds_failed"] += 1
             return None
         self.stats["rounds"] += 1
+        self.stats["round_wait_s_total"] += trio.current_time() - asked
+        self.stats["plan_s_total"] += float(reply.get("plan_s") or 0.0)
+        self.stats["round_bytes_total"] += int(reply.get("total_bytes") or 0)
+        self.stats["round_unique_bytes_total"] += int(reply.get("unique_bytes") or 0)
         self.stats["last_plan"] = {k: reply.get(k) for k in (
             "round", "files", "lp_bound_s", "makespan_s", "plan_s", "cached", "unique_bytes", "total_bytes", "durable_bytes")}
         return reply
@@ -404,10 +416,11 @@ class ClusterNode:
             except RemoteError as exc:
                 reply = {"error": str(exc)}
             if reply.get("error"):
-                log.warning("no round plan for %s: %s; going on alone", path, reply["error"])
+                log.warning("round_unplanned path=%s reason=%r (placed alone)", path, reply["error"])
                 return None
             return reply
-        log.warning("no round plan for %s within %.0f s (controller unreachable); going on alone", path, timeout_s)
+        log.warning("round_unplanned path=%s reason=%r (placed alone)", path,
+                    f"no plan within {timeout_s:.0f} s: controller unreachable")
         return None
 
     # ===================================================== grouped reads
@@ -419,6 +432,7 @@ class ClusterNode:
         while len(self._read_rounds) > CLUSTER_READ_ROUNDS_KEPT:
             self._read_rounds.popitem(last=False)
         self._read_planned.setdefault(request.ino, trio.Event())
+        self._read_deadline.setdefault(request.ino, trio.current_time() + CLUSTER_READ_WAIT_S)
         self._nursery.start_soon(self._read_round, request)
 
     async def _read_round(self, request: ReadRequest) -> None:
@@ -445,6 +459,7 @@ class ClusterNode:
                     log.error("malformed read plan for %s from the controller: %r", request.path, exc)
         finally:
             event = self._read_planned.pop(request.ino, None)
+            self._read_deadline.pop(request.ino, None)
             if event is not None:
                 event.set()
         if not mine:
@@ -475,7 +490,7 @@ class ClusterNode:
     async def round_fetch(self, ino: int, key: bytes) -> bytes | None:
         planned = self._read_planned.get(ino)
         if planned is not None:
-            with trio.move_on_after(CLUSTER_READ_WAIT_S):
+            with trio.move_on_at(self._read_deadline.get(ino, trio.current_time() + CLUSTER_READ_WAIT_S)):
                 await planned.wait()
         link = self._chain.get(key)
         if link is None or link.ino != ino or not link.upstream:
@@ -507,7 +522,7 @@ class ClusterNode:
             if not failed:
                 holders.append(name)
         if len(holders) <= copies:
-            log.warning("inode %d: only %d of %d replicas placed (too few live nodes answer)", ino, len(holders), copies + 1)
+            log.warning("replicas_short ino=%d placed=%d wanted=%d (too few live nodes answer)", ino, len(holders), copies + 1)
         return holders
 
     async def _put_all(self, ino: int, dst: str, keys: list[bytes], failed: list) -> None:
@@ -539,7 +554,7 @@ class ClusterNode:
         except (*_PEER_ERRORS, AiturboError) as exc:
             errors.append(str(exc))
         if errors:
-            log.warning("replicas of inode %d on %r failed: %s", ino, dst, errors[0])
+            log.warning("replica_failed ino=%d node=%s error=%r", ino, dst, errors[0])
             failed.append((dst, keys))
 
     @staticmethod
@@ -547,6 +562,30 @@ class ClusterNode:
         async def fetch() -> bytes:
             raise NotFound(f"chunk {key.hex()[:16]}… is not in this node's pool")
         return fetch
+
+    def controller_connected(self) -> bool:
+        return self._controller is not None
+
+    def summary(self) -> dict:
+        """This node's one line of ``aiturbo status`` (small: it rides on every heartbeat)."""
+        s = self.pool.stats()
+        p = self.fs.persister if self.fs is not None else None
+        return {
+            "pool_used": s.used_bytes, "pool_budget": s.budget_bytes, "dirty": s.dirty_bytes, "spilled": s.spilled_bytes,
+            "queue": p.queue_length() if p else 0, "durable": p.files_durable if p else 0,
+            "broken": p.files_broken if p else 0, "uploaded": p.bytes_uploaded if p else 0,
+            "replicated": self.stats["bytes_replicated"], "metrics": self.metrics_url,
+        }
+
+    async def nodes_status(self) -> list[dict]:
+        """Every node of the metadata's nodes table with the summary it last sent (this node: now)."""
+        now_ns = time.time_ns()
+        out = []
+        for row in await self.meta.nodes():
+            summary = self.summary() if row.name == self.node else (row.info or {}).get("summary") or {}
+            out.append({"node": row.name, "state": row.state, "fabric": row.address,
+                        "seen_s_ago": round(max(0, now_ns - row.heartbeat_ns) / 1e9, 1), **summary})
+        return out
 
     def status(self) -> dict:
         return {

@@ -1,13 +1,17 @@
 """The control socket: ``aiturbo status`` and friends talk to the daemon here.
 
 One JSON request line per connection, one JSON answer line back.  The socket
-is created 0600 in a 0700 directory under /run: only root may talk to it.
+is created 0600 in a 0700 directory under /run: only root may talk to it.  The
+daemon also checks each client's credentials (SO_PEERCRED), so a socket that
+became reachable by others (a loosened mode, a hard link elsewhere) still
+serves only root and the daemon's own user.
 """
 
 import json
 import logging
 import os
 import socket
+import struct
 
 import trio
 
@@ -32,13 +36,27 @@ async def serve(path: str, dispatch, *, task_status=trio.TASK_STATUS_IGNORED) ->
 
     async def handle(stream: trio.SocketStream) -> None:
         async with limiter, stream:
+            uid = _peer_uid(stream.socket)
             with trio.move_on_after(CONTROL_CALL_TIMEOUT_S):
                 data = b""
-                while not data.endswith(b"\n") and len(data) < CONTROL_REQUEST_BYTES_MAX:
-                    more = await stream.receive_some(4096)
-                    if not more:
-                        break
-                    data += more
+                try:
+                    while not data.endswith(b"\n") and len(data) < CONTROL_REQUEST_BYTES_MAX:
+                        more = await stream.receive_some(4096)
+                        if not more:
+                            break
+                        data += more
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return  # reset by the client mid-request: nothing to answer
+                if uid not in (0, os.geteuid()):
+                    # The request was read (not parsed) only so that the client
+                    # gets this answer instead of a broken pipe.
+                    log.warning("control socket %s: refused a request from uid %s (only root may control the daemon)", path, uid)
+                    answer = {"ok": False, "error": f"permission denied: uid {uid} may not control this daemon"}
+                    try:
+                        await stream.send_all(json.dumps(answer).encode() + b"\n")
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass  # the client already left; nothing was done for it
+                    return
                 try:
                     request = json.loads(data)
                     if not isinstance(request, dict):
@@ -46,7 +64,12 @@ async def serve(path: str, dispatch, *, task_status=trio.TASK_STATUS_IGNORED) ->
                     answer = await dispatch(request)
                 except Exception as exc:  # noqa: BLE001 - a bad request must not stop the server
                     answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-                await stream.send_all(json.dumps(answer).encode() + b"\n")
+                try:
+                    await stream.send_all(json.dumps(answer).encode() + b"\n")
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    # A client that hung up (^C on `aiturbo wait`) must not end
+                    # serve_listeners, which would take the daemon down with it.
+                    log.info("control socket %s: client left before its answer", path)
 
     try:
         task_status.started()
@@ -56,6 +79,16 @@ async def serve(path: str, dispatch, *, task_status=trio.TASK_STATUS_IGNORED) ->
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def _peer_uid(sock) -> int | None:
+    """The uid of the process at the other end of a unix socket (None if the kernel does not say)."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid
 
 
 def call(path: str, request: dict, timeout_s: float = CONTROL_CALL_TIMEOUT_S) -> dict:

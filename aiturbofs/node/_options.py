@@ -20,6 +20,7 @@ from .._limits import (
     GiB,
     IMPORT_TTL_S,
     KiB,
+    METRICS_NODE_ADDRESS_DEFAULT,
     MiB,
     PERSIST_RETRY_WINDOW_S,
     POOL_BYTES_MIN,
@@ -61,7 +62,11 @@ OPTIONS = {
     "replicas": ("int", f"close() returns once every chunk is in this many nodes' DRAM (default {CLUSTER_REPLICAS_DEFAULT} in a cluster, 1 alone)"),
     "fabric_gbps": ("rate", f"this node's compute-fabric rate each way, for the round planner (default {CLUSTER_FABRIC_GBPS_DEFAULT:g})"),
     "snic_gbps": ("rate", f"this node's storage-NIC rate, for the round planner (default {CLUSTER_SNIC_GBPS_DEFAULT:g})"),
+    "metrics": ("addr", f"serve Prometheus metrics at HOST:PORT/metrics, or off (default {METRICS_NODE_ADDRESS_DEFAULT}; taken: an ephemeral loopback port, shown by aiturbo status)"),
 }
+
+# addr options that also take the word "off"
+ADDR_OFF_OPTIONS = {"metrics"}
 
 _SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?")
 _SIZE_UNITS = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1024 * GiB}
@@ -102,6 +107,7 @@ class NodeConfig:
     replicas: int = 1
     fabric_gbps: float = CLUSTER_FABRIC_GBPS_DEFAULT
     snic_gbps: float = CLUSTER_SNIC_GBPS_DEFAULT
+    metrics: str | None = None  # HOST:PORT, "off", or None: the default port (an ephemeral one if taken)
 
     @property
     def cluster(self) -> bool:
@@ -120,8 +126,15 @@ def _convert(name: str, kind: str, value: str | None):
         return value not in ("0", "false", "no")
     if value is None or value == "":
         raise ConfigError(f"option {name} needs a value: {name}=...")
+    if "\0" in value:
+        raise ConfigError(f"option {name} must not contain a NUL byte, got {value!r}")
     if kind == "size":
-        return parse_size(value)
+        try:
+            return parse_size(value)
+        except ConfigError as exc:
+            raise ConfigError(f"option {name}: {exc}") from None
+        except OverflowError:  # float('9' * 400) is inf
+            raise ConfigError(f"option {name}: size {value!r} is too large") from None
     if kind == "float":
         try:
             v = float(value)
@@ -131,7 +144,8 @@ def _convert(name: str, kind: str, value: str | None):
             raise ConfigError(f"option {name} must be between 0 and 1e9, got {value!r}")
         return v
     if kind == "int":
-        if not value.isdigit() or not 1 <= int(value) <= 16:
+        # isdecimal, not isdigit: int() refuses '²', and a short string cannot hit int()'s digit limit
+        if not (value.isascii() and value.isdecimal() and len(value) <= 2 and 1 <= int(value) <= 16):
             raise ConfigError(f"option {name} needs a whole number from 1 to 16, got {value!r}")
         return int(value)
     if kind == "rate":
@@ -143,8 +157,10 @@ def _convert(name: str, kind: str, value: str | None):
             raise ConfigError(f"option {name} needs a rate in Gbit/s above 0, got {value!r}")
         return v
     if kind == "addr":
+        if value == "off" and name in ADDR_OFF_OPTIONS:
+            return value
         host, sep, port = value.rpartition(":")
-        if not sep or not host or not port.isdigit() or int(port) > 65535:
+        if not sep or not host or not (port.isascii() and port.isdecimal() and len(port) <= 5) or int(port) > 65535:
             raise ConfigError(f"option {name} needs HOST:PORT, got {value!r}")
         return value
     if kind.startswith("choice:"):
@@ -201,6 +217,7 @@ def build_config(backend: str, mountpoint: str, options: dict, *, foreground: bo
     cfg.replicas = options.get("replicas", CLUSTER_REPLICAS_DEFAULT if cfg.cluster else 1)
     cfg.fabric_gbps = options.get("fabric_gbps", CLUSTER_FABRIC_GBPS_DEFAULT)
     cfg.snic_gbps = options.get("snic_gbps", CLUSTER_SNIC_GBPS_DEFAULT)
+    cfg.metrics = options.get("metrics")
     if cfg.cluster and not cfg.secret_file:
         raise ConfigError("fabric= needs secret_file=: peers authenticate with the cluster secret")
     if not cfg.cluster:

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import time
+from functools import partial
 
 import pyfuse3
 import trio
@@ -20,13 +21,18 @@ import trio
 from .. import backend as backend_mod
 from .. import meta as meta_mod
 from .._errors import AiturboError, ConfigError
-from .._limits import MALLOC_MMAP_THRESHOLD_BYTES, MALLOC_TRIM_THRESHOLD_BYTES, READ_AHEAD_KB
+from .._limits import (
+    MALLOC_MMAP_THRESHOLD_BYTES,
+    MALLOC_TRIM_THRESHOLD_BYTES,
+    METRICS_NODE_ADDRESS_DEFAULT,
+    READ_AHEAD_KB,
+)
 from ..controller import EmbeddedController
 from ..fabric import load_secret, open_transport, parse_address
 from ..fuse import Operations
 from ..staging import SpillStore, StagingPool
 from ..vfs import Filesystem, VfsOptions
-from . import _control
+from . import _control, _metrics
 from ._cluster import ClusterNode
 from ._options import NodeConfig
 from ._paths import control_socket, default_state_dir
@@ -186,7 +192,10 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
         nursery.start_soon(pool.run_warmer)
         # The control socket is up before the mount appears: whoever sees the
         # mount (a test, a health check) can ask the daemon at once.
-        dispatch = _Dispatcher(cfg, fs, pool, controller, ops, started, cluster)
+        metrics_url = await _start_metrics(nursery, cfg, fs, pool, cluster, controller)
+        if cluster is not None:
+            cluster.metrics_url = metrics_url
+        dispatch = _Dispatcher(cfg, fs, pool, controller, ops, started, cluster, metrics_url)
         await nursery.start(_control.serve, control_socket(cfg.mountpoint), dispatch)
         try:
             pyfuse3.init(ops, cfg.mountpoint, _fuse_options(cfg))
@@ -194,8 +203,8 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
             raise ConfigError(f"FUSE mount of {cfg.mountpoint} failed: {exc}") from None
         nursery.start_soon(_set_read_ahead_after_init, cfg.mountpoint)
         nursery.start_soon(_watch_signals)
-        log.info("mounted %s at %s (pool %d MiB, spill %s, state %s)", cfg.backend, cfg.mountpoint,
-                 cfg.dram_bytes >> 20, spill.directory, state_dir)
+        log.info("mounted %s at %s (pool %d MiB, spill %s, state %s, metrics %s)", cfg.backend, cfg.mountpoint,
+                 cfg.dram_bytes >> 20, spill.directory, state_dir, metrics_url or "off")
         ready.send("OK")
         try:
             await pyfuse3.main()
@@ -217,6 +226,20 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
     return exit_code
 
 
+async def _start_metrics(nursery, cfg: NodeConfig, fs, pool, cluster, controller) -> str | None:
+    """Serve this daemon's Prometheus metrics (``-o metrics``); their URL, or None when off.
+
+    The default port may well be taken (several mounts on one host): then an
+    ephemeral loopback port, with a warning; an explicit address that is
+    taken fails the mount.
+    """
+    if cfg.metrics == _metrics.OFF:
+        return None
+    registry = _metrics.registry_of(_metrics.NodeCollector(fs, pool, cluster, controller, trio.current_time()))
+    address = cfg.metrics or METRICS_NODE_ADDRESS_DEFAULT
+    return await nursery.start(partial(_metrics.serve_metrics, address, registry, fallback=cfg.metrics is None))
+
+
 async def _describe(meta, ino: int) -> str:
     try:
         paths = await meta.paths_of(ino)
@@ -236,9 +259,9 @@ async def _watch_signals() -> None:
 class _Dispatcher:
     """Answers control-socket requests from the running daemon's state."""
 
-    def __init__(self, cfg, fs, pool, controller, ops, started, cluster):
+    def __init__(self, cfg, fs, pool, controller, ops, started, cluster, metrics_url):
         self.cfg, self.fs, self.pool, self.controller, self.ops, self.started = cfg, fs, pool, controller, ops, started
-        self.cluster = cluster
+        self.cluster, self.metrics_url = cluster, metrics_url
 
     async def __call__(self, request: dict) -> dict:
         cmd = request.get("cmd")
@@ -259,6 +282,7 @@ class _Dispatcher:
             "mountpoint": self.cfg.mountpoint,
             "backend": self.cfg.backend,
             "uptime_s": round(time.time() - self.started, 1),
+            "metrics": self.metrics_url,
             "pool": vars(self.pool.stats()),
             "persist": {
                 "queue": p.queue_length(), "queued": queued, "bytes_uploaded": p.bytes_uploaded,
@@ -268,5 +292,6 @@ class _Dispatcher:
             },
             "groups": self.controller.summary(),
             "cluster": self.cluster.status() if self.cluster is not None else None,
+            "nodes": await self.cluster.nodes_status() if self.cluster is not None else None,
             "errors": self.fs.errors[-20:],
         }

@@ -147,6 +147,7 @@ class Filesystem:
         self.persister = Persister(self)
         self.importer = Importer(self)
         self.errors: list[str] = []
+        self.errors_total = 0  # every record_error (the list keeps the last 100): for the metrics
         self._nursery: trio.Nursery | None = None
         self._prefetching: set[bytes] = set()
 
@@ -158,9 +159,13 @@ class Filesystem:
         nursery.start_soon(self._run_sealer)
         await nursery.start(self.persister.run)
 
-    def record_error(self, message: str) -> None:
-        """Log an operating error and keep it for ``aiturbo status``."""
-        log.error("%s", message)
+    def record_error(self, message: str, event: str | None = None) -> None:
+        """Log an operating error and keep it for ``aiturbo status``.
+
+        ``event``: the log line in ``event key=value`` form, when the message
+        (for a person reading the status) is not one already."""
+        log.error("%s", event or message)
+        self.errors_total += 1
         self.errors.append(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {message}")
         del self.errors[: -100]
 
@@ -395,6 +400,9 @@ class Filesystem:
         _check_name(new_name)
         row = await self.meta.link(ino, new_parent, new_name)
         node = self._remember(row)
+        # _remember keeps the row of a file open for writing: count the link there too
+        node.row.nlink = row.nlink
+        node.row.ctime_ns = row.ctime_ns
         node.lookups += 1
         if stat.S_ISREG(row.mode):
             self.persister.enqueue(ino, moved=True)  # the backend gets a copy at the new path
@@ -802,6 +810,8 @@ class Filesystem:
             )
             content.committed_seq = seq
             node.row = row
+            log.info("staged ino=%d version=%d size=%d holders=%s", node.ino, row.version, row.size,
+                     ",".join(placed.holders) if placed is not None else "local")
             self._notify_state(node.ino)
             self.persister.set_hints(node.ino, row.version, placed.hints if placed is not None else None)
             self.persister.enqueue(node.ino)

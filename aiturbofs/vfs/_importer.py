@@ -152,7 +152,7 @@ class Importer:
         node = self.fs._cached(row.ino)
         if node is not None and (node.opens or (node.content is not None and node.content.dirty)):
             return
-        log.info("import: %s changed in the backend; refreshing", info.key)
+        log.info("import_changed key=%s (changed in the backend: dropping the cached content)", info.key)
         if node is not None:
             self.fs._drop_content(node)
         new = await self.fs.meta.set_attrs(row.ino, size=info.size, mtime_ns=info.mtime_ns or row.mtime_ns, manifest=None, backend_etag=info.etag)
@@ -171,7 +171,7 @@ class Importer:
             current = await self.fs.meta.lookup(parent, name)
             if current.ino != row.ino or current.state != STATE_DURABLE or current.backend_keys != row.backend_keys:
                 return
-            log.info("import: %s vanished from the backend; removing it", row.backend_keys[0])
+            log.info("import_vanished key=%s (gone from the backend: removing it)", row.backend_keys[0])
             gone = await self.fs.meta.unlink(parent, name)
         except NotFound:
             return

@@ -9,8 +9,10 @@ move or copy after renames and hard links, delete after unlink — then loops
 until nothing changed meanwhile.  That is why renaming or deleting a file
 while it persists leaves no ghost objects and loses no rename.
 
-Transient backend errors are retried with capped exponential backoff for the
-retry window; then, or on a permanent error, the file is marked ``broken``.
+Transient backend errors are retried with capped, jittered exponential
+backoff for the retry window (a file becoming durable wakes the others
+early: the backend answers again); then, or on a permanent error, the file
+is marked ``broken``.
 Operations on one backend key are serialised by a per-key lock, and a key is
 only deleted if no live inode's path names it.
 """
@@ -20,6 +22,7 @@ import errno
 import itertools
 import logging
 import os
+import random
 import secrets
 import stat
 import time
@@ -37,9 +40,12 @@ from .._limits import (
     CLUSTER_SOURCE_POLL_S,
     CLUSTER_SOURCE_WAIT_S,
     PERSIST_BACKOFF_FIRST_S,
+    PERSIST_BACKOFF_JITTER,
     PERSIST_BACKOFF_MAX_S,
     PERSIST_FILES_IN_FLIGHT,
+    PERSIST_SPARE_FILES_MAX,
     PERSIST_PARTS_IN_FLIGHT,
+    PERSIST_PARTS_UNPOOLED_MAX,
 )
 from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED
 from ._cluster import CopySource, PersistHints
@@ -92,7 +98,7 @@ class _Deferred(Exception):
 class _PartPlan:
     """Cluster: how one upload's parts are made (see ``Persister._part_plan``)."""
 
-    __slots__ = ("hints", "sources", "target", "wait_until", "token")
+    __slots__ = ("hints", "sources", "target", "wait_until", "token", "waiting")
 
     def __init__(self, hints: PersistHints, sources: dict[int, CopySource], target: str, wait_until: float):
         self.hints = hints
@@ -100,6 +106,7 @@ class _PartPlan:
         self.wait_until = wait_until
         self.target = target
         self.token: str | None = None  # lets other nodes write parts of this upload
+        self.waiting = 0  # parts waiting for another file's durable copy
 
     @property
     def wait(self) -> set[int]:
@@ -143,6 +150,19 @@ class Persister:
         self.files_durable = 0
         self.files_broken = 0
         self.retries = 0
+        # Set (and replaced) whenever a file became durable: jobs sleeping in
+        # backoff then retry at once instead of at the end of a sleep that may
+        # have grown to PERSIST_BACKOFF_MAX_S while the backend was down.
+        self._backend_answers = trio.Event()
+        # A chunk no longer in DRAM (spilled, or evicted after an earlier
+        # version went durable) is read back into a buffer outside the pool's
+        # budget when the pool is full of staged data: with every file and
+        # part in flight doing that, the daemon could hold 16 such chunks
+        # (128 MiB) beyond ``-o dram``.  This bounds them (see docs/memory.md).
+        self._unpooled_parts = trio.Semaphore(PERSIST_PARTS_UNPOOLED_MAX)
+        self._nursery: trio.Nursery | None = None
+        self._files_waiting = 0  # files in flight whose parts wait for another file's copy
+        self._spares = 0  # spare uploads running (see _waiting_for_source)
 
     # ------------------------------------------------------------------ queue
     def set_hints(self, ino: int, version: int, hints: PersistHints | None) -> None:
@@ -214,6 +234,7 @@ class Persister:
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             for _ in range(PERSIST_FILES_IN_FLIGHT):
                 nursery.start_soon(self._worker)
             nursery.start_soon(self._dir_cleaner)
@@ -229,24 +250,53 @@ class Persister:
 
     async def _worker(self) -> None:
         while True:
-            ino = await self._next()
-            self._running.add(ino)
-            if ino in self._moved:
-                self._moved[ino] = object()
-            try:
-                await self._persist_with_retry(ino)
-            except Exception as exc:  # a bug: keep persisting the other files
-                log.exception("BUG while persisting inode %d", ino)
-                self.fs.record_error(f"internal error persisting inode {ino}: {exc!r}")
-            finally:
-                self._running.discard(ino)
-                if ino in self._rerun:
-                    self._rerun.discard(ino)
-                    self._pending[ino] = None
-                else:
-                    self._moved.pop(ino, None)  # reconciled: its objects are at its names
-                    self._defers.pop(ino, None)
-                self._wake()
+            await self._persist_one(await self._next())
+
+    async def _spare_worker(self) -> None:
+        """Persist queued files while files in flight wait for sources; then exit."""
+        try:
+            while self._pending and self._files_waiting > 0:
+                ino, _ = self._pending.popitem(last=False)
+                await self._persist_one(ino)
+        finally:
+            self._spares -= 1
+            self._wake()
+
+    def _waiting_for_source(self, parts: "_PartPlan", delta: int) -> None:
+        """Count files whose upload only waits for another file's copy; start spares for the queue.
+
+        A node persists PERSIST_FILES_IN_FLIGHT files at once.  When all of
+        them wait for a chunk that a file still queued here will upload (a
+        KV-cache prefix shared by many files of one node), nothing moved
+        until the waits ran out; a spare upload takes the queued file.
+        """
+        before = parts.waiting
+        parts.waiting += delta
+        if (before == 0) != (parts.waiting == 0):
+            self._files_waiting += 1 if parts.waiting else -1
+        while (self._nursery is not None and self._pending and self._spares < self._files_waiting
+               and self._spares < PERSIST_SPARE_FILES_MAX):
+            self._spares += 1
+            self._nursery.start_soon(self._spare_worker)
+
+    async def _persist_one(self, ino: int) -> None:
+        self._running.add(ino)
+        if ino in self._moved:
+            self._moved[ino] = object()
+        try:
+            await self._persist_with_retry(ino)
+        except Exception as exc:  # a bug: keep persisting the other files
+            log.exception("BUG while persisting inode %d", ino)
+            self.fs.record_error(f"internal error persisting inode {ino}: {exc!r}")
+        finally:
+            self._running.discard(ino)
+            if ino in self._rerun:
+                self._rerun.discard(ino)
+                self._pending[ino] = None
+            else:
+                self._moved.pop(ino, None)  # reconciled: its objects are at its names
+                self._defers.pop(ino, None)
+            self._wake()
 
     async def _dir_cleaner(self) -> None:
         while True:
@@ -271,7 +321,7 @@ class Persister:
                     await self._idle.wait()
                 if not self._idle.is_set():
                     log.info(
-                        "drain: %d file(s) still persisting after %.0f s (%d bytes uploaded so far)",
+                        "drain_progress files=%d s=%.0f uploaded_bytes=%d",
                         self.queue_length(), time.monotonic() - started, self.bytes_uploaded,
                     )
         left = self.queued()
@@ -303,11 +353,12 @@ class Persister:
             name = paths[0] if paths else f"inode {row.ino}"
             if not live:
                 if await self.meta.set_state(row.ino, STATE_BROKEN, if_version=row.version):
-                    self.fs.record_error(f"{name} is broken: every node holding it ({', '.join(row.holders)}) died before it was durable")
+                    self.fs.record_error(f"{name} is broken: every node holding it ({', '.join(row.holders)}) died before it was durable",
+                                         event=f"broken path={name} reason='every node holding it ({', '.join(row.holders)}) died before it was durable'")
                     self.fs._notify_state(row.ino)
                 continue
             if live[0] == me and await self.meta.claim_owner(row.ino, row.version, row.owner, me):
-                log.warning("node %r is dead: persisting %s (%d bytes) from the replica here", row.owner, name, row.size)
+                log.warning("taken_over path=%s size=%d dead_owner=%s (persisting it from the replica here)", name, row.size, row.owner)
                 self.enqueue(row.ino)
 
     # ------------------------------------------------------------- recovery
@@ -320,21 +371,23 @@ class Persister:
             keys = [k for k in chunk.unpack_manifest(row.manifest or b"") if k != chunk.HOLE]
             missing = [k for k in keys if k not in self.pool.spill]
             if cluster is not None and missing and any(h != cluster.node for h in row.holders):
-                log.info("inode %d: %d chunk(s) are fetched back from its replicas", row.ino, len(missing))
+                log.info("recovering ino=%d from=replicas chunks=%d", row.ino, len(missing))
                 missing = []
             if missing and not row.backend_keys:
                 paths = await self.meta.paths_of(row.ino)
                 await self.meta.set_state(row.ino, STATE_BROKEN)
+                name = paths[0] if paths else f"inode {row.ino}"
                 self.fs.record_error(
-                    f"{paths[0] if paths else f'inode {row.ino}'} is broken: {len(missing)} of its "
-                    f"{len(keys)} chunk(s) were only in DRAM when the daemon stopped"
+                    f"{name} is broken: {len(missing)} of its "
+                    f"{len(keys)} chunk(s) were only in DRAM when the daemon stopped",
+                    event=f"broken path={name} reason='chunks only in DRAM at the stop' missing={len(missing)} chunks={len(keys)}",
                 )
                 continue
             for k in keys:
                 if k in self.pool.spill:
                     self.pool.recover_spilled(k)
             self.fs.adopt_recovered(row)
-            log.info("recovered inode %d (%d bytes) from spill; persisting it", row.ino, row.size)
+            log.info("recovered ino=%d size=%d from=spill (persisting it)", row.ino, row.size)
             self.enqueue(row.ino)
         for row in await self.meta.orphans():
             self.enqueue(row.ino, moved=True)
@@ -348,7 +401,11 @@ class Persister:
         backoff = PERSIST_BACKOFF_FIRST_S
         while True:
             try:
+                durable_before = self.files_durable
                 await self._reconcile(ino)
+                if self.files_durable != durable_before:
+                    self._backend_answers.set()
+                    self._backend_answers = trio.Event()
                 return
             except NotFound:
                 return  # the inode is gone: nothing left to persist
@@ -357,19 +414,33 @@ class Persister:
                     await self._mark_broken(ino, f"backend unavailable for the whole retry window: {exc}")
                     return
                 self.retries += 1
-                log.warning("persist of inode %d: %s; retrying in %.1f s", ino, exc, backoff)
-                await trio.sleep(backoff)
+                # Jittered: every file an outage failed at once would otherwise
+                # retry in step, a burst of PERSIST_FILES_IN_FLIGHT uploads at
+                # each doubling and all of them together when S3 comes back.
+                sleep_s = backoff * random.uniform(1.0 - PERSIST_BACKOFF_JITTER, 1.0)
+                log.warning("persist_retry path=%s error=%r retry_in_s=%.1f", await self._name(ino), str(exc), sleep_s)
+                with trio.move_on_after(sleep_s):
+                    await self._backend_answers.wait()  # another file got through: so may this one
                 backoff = min(backoff * 2, PERSIST_BACKOFF_MAX_S)
             except (BackendError, IntegrityError) as exc:
                 await self._mark_broken(ino, str(exc))
                 return
+
+    async def _name(self, ino: int) -> str:
+        """A path of ``ino`` for a log line (``inode N`` when it has none)."""
+        try:
+            paths = await self.meta.paths_of(ino)
+        except AiturboError:
+            paths = []
+        return paths[0] if paths else f"inode {ino}"
 
     async def _mark_broken(self, ino: int, why: str) -> None:
         row = await self.meta.get_inode(ino)
         paths = await self.meta.paths_of(ino)
         await self.meta.set_state(ino, STATE_BROKEN, if_version=row.version)
         self.files_broken += 1
-        self.fs.record_error(f"{paths[0] if paths else f'inode {ino}'} is broken: {why}")
+        name = paths[0] if paths else f"inode {ino}"
+        self.fs.record_error(f"{name} is broken: {why}", event=f"broken path={name} reason={why!r}")
         row = await self.meta.get_inode(ino)
         await self.fs.on_persisted(ino, row)
         self._release_pins(ino, row)
@@ -503,6 +574,7 @@ class Persister:
 
     async def _upload_version(self, row, paths: list[str]) -> bool:
         """Upload the committed version; False if another file must move first."""
+        started = time.monotonic()
         if row.state != STATE_PERSISTING:
             if not await self.meta.set_state(row.ino, STATE_PERSISTING, if_version=row.version):
                 return True
@@ -562,7 +634,8 @@ class Persister:
         if durable:
             await self._record_sources(row, target, info.etag)
             self.files_durable += 1
-            log.info("durable: %s (%d bytes, version %d)", paths[0], row.size, row.version)
+            log.info("persisted path=%s size=%d s=%.2f version=%d", paths[0], row.size, time.monotonic() - started,
+                     row.version)
             await self.fs.on_persisted(row.ino, await self.meta.get_inode(row.ino))
         return True
 
@@ -646,11 +719,21 @@ class Persister:
                     return
                 if await self._remote_part(upload, row, parts, index, key, length):
                     return
-            async with self.pool.lease(key, lambda: self._fetch_previous(row, index, key, length)) as view:
+            lease = self.pool.lease(key, lambda: self._fetch_previous(row, index, key, length))
+            async with self._part_memory(key), lease as view:
                 await upload.write_part(index, view)
             self.bytes_uploaded += length
         finally:
             limiter.release()
+
+    @asynccontextmanager
+    async def _part_memory(self, key: bytes):
+        """Hold one of PERSIST_PARTS_UNPOOLED_MAX slots if ``key`` must be read back into memory."""
+        if self.pool.view(key) is not None:
+            yield  # in DRAM: uploaded from the pool's own buffer
+            return
+        async with self._unpooled_parts:
+            yield
 
     # ------------------------------------------------------- cluster uploads
     async def _part_plan(self, row, target: str, keys: list[bytes]) -> "_PartPlan | None":
@@ -672,7 +755,11 @@ class Persister:
         """Dedup: materialise the part from a durable copy of its chunk; False to send bytes."""
         src = parts.sources.get(index)
         if src is None and index in parts.wait:
-            src = await self._wait_source(key, parts.wait_until)
+            self._waiting_for_source(parts, +1)
+            try:
+                src = await self._wait_source(key, parts.wait_until)
+            finally:
+                self._waiting_for_source(parts, -1)
         if src is None or src.length != length:
             return False
         if not self.backend.supports_server_copy:
@@ -865,7 +952,7 @@ class Persister:
                 fields["backend_etag"] = info.etag if info is not None else row.backend_etag
             await self.meta.set_attrs(row.ino, backend_keys=paths, **fields)
             await self.meta.set_state(row.ino, STATE_DURABLE, if_version=row.version)
-        log.info("moved in backend: %s -> %s", row.backend_keys, paths)
+        log.info("moved_in_backend from=%s to=%s", ",".join(row.backend_keys), ",".join(paths))
         return True
 
     async def _delete_all(self, row) -> None:

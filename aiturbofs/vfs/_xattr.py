@@ -39,7 +39,8 @@ def validate_set(name: bytes, value: bytes) -> None:
         if not _GROUP_RE.fullmatch(value):
             raise InvalidArgument(f"user.aiturbo.group must be 1-128 of [A-Za-z0-9._:-], got {value[:64]!r}")
     elif name == GROUP_SIZE:
-        if not (value.isdigit() and 1 <= int(value) <= GROUP_SIZE_MAX and len(value) <= 6):
+        # length first: int() of a digit string past 4300 digits raises ValueError
+        if not (len(value) <= 6 and value.isdigit() and 1 <= int(value) <= GROUP_SIZE_MAX):
             raise InvalidArgument(f"user.aiturbo.group.size must be an integer 1..{GROUP_SIZE_MAX}, got {value[:64]!r}")
     elif name == FSYNC:
         if value.decode("ascii", "replace") not in FSYNC_MODES:
