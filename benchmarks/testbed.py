@@ -3,7 +3,8 @@
 
     sudo python benchmarks/testbed.py [--nodes 4] [--fabric-mbit 2000] [--storage-mbit 250]
                                       [--backend-mbit 1000] [--size-mib 64] [--shard-mib 16]
-                                      [--scenario dp|rank0|sharded|read[,...]|all] [--keep]
+                                      [--scenario dp|rank0|sharded|read|kv[,...]|all] [--keep]
+                                      [--peers rclone,s3fs-fuse,s3fs-direct|all] [--rclone-write-back 5s]
 
 Topology (one run id per run: every namespace is ``atb-<run>-*``; all of it is
 removed at exit, also on failure, Ctrl-C and SIGTERM, and leftovers of
@@ -34,8 +35,12 @@ Scenario ``dp`` (DP replicas): every node writes, at once, one file made of
 the same --size-mib of model state followed by a --shard-mib shard of its
 own.  Modes: ``sync_close`` (daemons mounted with -o sync_close: write-
 through), ``plain`` (an untagged directory: DRAM write-back, every byte
-uploaded by its writer) and ``grouped`` (``user.aiturbo.group`` with
-``group.size`` = nodes: dedup + plan).  Reported: close() of the slowest
+uploaded by its writer), ``dedup`` (grouped, on a controller started with
+``--plan dedup``: dedup without the plan, each unique chunk uploaded by the
+node of the first file holding it) and ``grouped`` (``user.aiturbo.group``
+with ``group.size`` = nodes: dedup + plan).  The table ends with the factor
+steps write-through -> +DRAM buffer -> +dedup -> +plan (ratios of close and
+durable times between consecutive modes).  Reported: close() of the slowest
 writer, time until all files are durable, bytes the S3 namespace received
 (the kernel counter of its only interface) over the unique bytes, and the
 plan's LP bound and makespan (``aiturbo status --json``: cluster.last_plan).
@@ -58,8 +63,27 @@ finished (each checks its sha256), bytes the S3 namespace sent (the kernel
 counter of its only interface), each node's ``persist.bytes_fetched``, and
 time(N)/time(1).
 
+Scenario ``kv`` (``_kv.py``): KV-cache files sharing a chunk-aligned prefix,
+written on node 0 and read on the others; plain vs grouped.
+
+Scenario ``dcp`` (``_dcp.py``): PyTorch DCP, one gloo rank per node
+namespace (over the fabric), saves a DP-replicated model + Adam state
+(--size-mib) plus a --shard-mib tensor per rank through each rank's own
+mount, with DCP's own dedup on and off, in ``sync_close``, ``plain`` and
+``grouped``; then loads it back into a fresh state from cold pools and
+compares.  Reported: dcp.save of the slowest rank, time to durable, S3 bytes
+over the bytes DCP wrote, load time.
+
+``--peers`` (``_peers.py``) adds external systems as write modes of dp,
+rank0 and sharded, run after the aiturbofs modes on the same links: rclone
+mount with --vfs-cache-mode writes, s3fs-fuse, and a direct upload with the
+s3fs library, each in every writing node's namespace; durable is when S3
+holds every object at full size.  A PNG chart per scenario (``_charts.py``)
+goes next to the results files.
+
 ``--scenario`` takes a comma list or ``all``; the write-through modes share
-one cluster mounted with -o sync_close, everything else one without.  Each
+one cluster mounted with -o sync_close, the ``dedup`` modes one whose
+controller runs ``--plan dedup``, everything else one with neither.  Each
 scenario prints its own table; all go into one results file:
 benchmarks/results/testbed-<time>.{md,json}.  Must run as root.
 """
@@ -69,6 +93,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import hashlib
+import itertools
 import json
 import os
 import secrets
@@ -87,6 +112,11 @@ import _netns as nn
 sys.path.insert(0, h.REPO)
 from aiturbofs.node import control_socket
 from aiturbofs.node._control import call as control_call
+
+import _charts
+import _dcp  # noqa: E402
+import _kv  # after the repo is on the path: it imports aiturbofs._limits
+import _peers as peers
 
 MiB = 1 << 20
 FABRIC_NET, STORAGE_NET, CONTROL_NET = "10.201.0", "10.202.0", "10.203.0"
@@ -240,14 +270,14 @@ class Testbed:
         self._pg("createdb", "-h", self.ctl_ip, "-p", str(PG_PORT), "-U", PG_USER, name)
         return f"postgresql://{PG_USER}@{self.ctl_ip}:{PG_PORT}/{name}"
 
-    def start_cluster(self, *, sync_close: bool) -> None:
-        """A fresh database, the controller and N daemons; waits until every node sees every node."""
+    def start_cluster(self, *, sync_close: bool, plan: str = "lp") -> None:
+        """A fresh database, the controller (``--plan plan``) and N daemons; waits until every node sees every node."""
         a = self.args
         self.meta_url = self.new_database()
         listen = f"{self.ctl_ip}:{CONTROLLER_PORT}"
         ctl = self._spawn("controller", ["nsenter", f"--net={ns_path(self.ctl_ns)}", sys.executable, "-m", "aiturbofs.cli.main",
                                          "controller", "--listen", listen, "--meta", self.meta_url, "--secret-file", self.secret,
-                                         "--backend-gbps", f"{a.backend_mbit / 1000:g}"])
+                                         "--backend-gbps", f"{a.backend_mbit / 1000:g}", "--plan", plan])
         self._wait("aiturbo controller", lambda: f"controller listening on {listen}" in self.log_tail("controller", 100000), ctl)
         for i, ns in enumerate(self.node_ns):
             mnt = os.path.join(self.root, f"n{i}-mnt")
@@ -363,7 +393,7 @@ class Testbed:
             if self._closed:
                 return
             self._closed = True
-        steps = [self.stop_cluster, lambda: self._stop_proc("moto"),
+        steps = [peers.stop_all, self.stop_cluster, lambda: self._stop_proc("moto"),
                  lambda: self._pg("pg_ctl", "-D", self.pg_dir, "-m", "immediate", "-w", "stop") if os.path.isdir(self.pg_dir) else None,
                  lambda: nn.remove_run(self.run_id, self.root)]
         for step in steps:
@@ -389,9 +419,16 @@ class Testbed:
 # ============================================================== write scenarios: DP replicas, rank 0, shards
 
 GROUP, GROUP_SIZE = "user.aiturbo.group", "user.aiturbo.group.size"
-SCENARIOS = ("dp", "rank0", "sharded", "read")  # the order they run and print in
-WRITE_MODES = {"dp": ("sync_close", "plain", "grouped"), "rank0": ("sync_close", "plain", "grouped"),
-               "sharded": ("plain", "grouped")}
+SCENARIOS = ("dp", "rank0", "sharded", "read", "kv", "dcp")  # the order they run and print in
+WRITE_MODES = {"dp": ("sync_close", "plain", "dedup", "grouped"), "rank0": ("sync_close", "plain", "dedup", "grouped"),
+               "sharded": ("plain", "dedup", "grouped")}  # in factor order: each mode adds one thing to the one before
+FACTOR_NAMES = {"sync_close": "write-through", "plain": "+DRAM buffer", "dedup": "+dedup", "grouped": "+plan"}
+CLUSTERS = ((True, "lp"), (False, "dedup"), (False, "lp"))  # (-o sync_close, controller --plan), in start order
+
+
+def cluster_of(mode: str) -> tuple[bool, str]:
+    """The cluster a write mode runs on (one of ``CLUSTERS``)."""
+    return mode == "sync_close", "dedup" if mode == "dedup" else "lp"
 
 
 def write_file(path: str, parts: list[bytes], out: dict) -> None:
@@ -425,7 +462,7 @@ def run_write(tb: Testbed, scenario: str, mode: str, step: int) -> dict:
     layout, group_size, unique = write_layout(tb, scenario)
     d = f"{scenario}-{mode}-{step}"
     os.mkdir(os.path.join(tb.mounts[0], d))
-    if mode == "grouped":
+    if mode in ("grouped", "dedup"):  # the same rounds; the controller's --plan tells them apart
         os.setxattr(os.path.join(tb.mounts[0], d), GROUP, f"{scenario}{step}".encode())
         os.setxattr(os.path.join(tb.mounts[0], d), GROUP_SIZE, str(group_size).encode())
     time.sleep(1.1)  # the other nodes' kernels see the new directory (attribute timeout)
@@ -566,15 +603,18 @@ def scenario_read(tb: Testbed, step: int) -> list[dict]:
 # ============================================================== running the scenarios
 
 def run_scenarios(tb: Testbed, scenarios: list[str], repeat: int) -> dict[str, list[dict]]:
-    """Every selected scenario; one cluster with -o sync_close for the write-through modes, one without for the rest."""
+    """Every selected scenario, one cluster per entry of ``CLUSTERS`` that some mode needs (see ``cluster_of``)."""
     results: dict[str, list[dict]] = {s: [] for s in scenarios}
     writes = [s for s in scenarios if s in WRITE_MODES]
-    for sync_close in (True, False):
-        todo = {s: [m for m in WRITE_MODES[s] if (m == "sync_close") == sync_close] for s in writes}
-        if not any(todo.values()) and (sync_close or "read" not in scenarios):
+    for sync_close, plan in CLUSTERS:
+        todo = {s: [m for m in WRITE_MODES[s] if cluster_of(m) == (sync_close, plan)] for s in writes}
+        others = [s for s in ("read", "kv") if s in scenarios and (sync_close, plan) == (False, "lp")]
+        dcp_modes = [m for m in _dcp.MODES if "dcp" in scenarios and cluster_of(m) == (sync_close, plan)]
+        if not any(todo.values()) and not others and not dcp_modes:
             continue
-        print(f"starting {tb.n} daemons{' with -o sync_close' if sync_close else ''} ...", flush=True)
-        tb.start_cluster(sync_close=sync_close)
+        print(f"starting {tb.n} daemons{' with -o sync_close' if sync_close else ''}"
+              f"{' (controller --plan dedup)' if plan == 'dedup' else ''} ...", flush=True)
+        tb.start_cluster(sync_close=sync_close, plan=plan)
         for step in range(repeat):
             for scenario, modes in todo.items():
                 for mode in modes:
@@ -583,15 +623,35 @@ def run_scenarios(tb: Testbed, scenarios: list[str], repeat: int) -> dict[str, l
                     print(f"  {scenario} {mode:10} close {r['close_s']:.2f} s, durable {r['durable_s']:.2f} s, "
                           f"S3 rx {r['s3_rx_bytes'] / MiB:.1f} MiB for {r['unique_bytes'] / MiB:.0f} MiB unique"
                           + (f", LP bound {r['lp_bound_s']:.2f} s" if r["lp_bound_s"] else ""), flush=True)
-            if not sync_close and "read" in scenarios:
+            if "read" in others:
                 results["read"] += scenario_read(tb, step)
+            if "kv" in others:
+                results["kv"] += _kv.scenario_kv(tb, step)
+            for mode in dcp_modes:
+                results["dcp"] += _dcp.run_mode(tb, mode, step, master_ip=f"{FABRIC_NET}.1", drop_caches=drop_caches)
         tb.stop_cluster()
+    for s in writes:  # the clusters ran the modes out of factor order
+        results[s].sort(key=lambda r: (r["step"], WRITE_MODES[s].index(r["mode"])))
+    for step in range(repeat):  # external peers (--peers) on the same links, once no aiturbofs daemon runs
+        for s in writes:
+            results[s] += peers.run_modes(tb, s, tb.args.peers, step, write_layout, endpoint=f"http://{tb.s3_ip}:{S3_PORT}",
+                                          bucket=BUCKET, write_file=write_file)
     return results
+
+
+def factor_steps(med: dict[str, dict[str, float]]) -> str:
+    """Close and durable time before / after each factor step, for the modes that ran (``med``: mode -> medians)."""
+    modes = [m for m in FACTOR_NAMES if m in med]
+    steps = [f"{FACTOR_NAMES[a]} -> {FACTOR_NAMES[b]}: close {med[a]['close_s'] / med[b]['close_s']:.2f}x, "
+             f"durable {med[a]['durable_s'] / med[b]['durable_s']:.2f}x" for a, b in itertools.pairwise(modes)]
+    return "factor steps (time before / time after): " + "; ".join(steps) + "\n" if steps else ""
 
 
 def dp_table(results: list[dict]) -> str:
     def f(v, fmt="{:.2f}"):
         return "-" if v is None else fmt.format(v)
+
+    peer_text, results = peers.comparison(results), peers.completed(results)
 
     rows = [[r["mode"], f(r["close_s"]), f(r["durable_s"]), f(r["s3_rx_bytes"] / MiB, "{:.0f}"),
              f(r["s3_rx_bytes"] / r["unique_bytes"]),
@@ -602,12 +662,12 @@ def dp_table(results: list[dict]) -> str:
                               "MiB uploaded per node", "moto CPU s (of durable)", "LP bound s",
                               "plan makespan s"], rows)
     med = {m: {k: h.median([r[k] for r in results if r["mode"] == m]) for k in ("close_s", "durable_s")}
-           for m in ("sync_close", "plain", "grouped")}
+           for m in FACTOR_NAMES if any(r["mode"] == m for r in results)}
     g = med["grouped"]
     table += (f"\n\nwrite-through/grouped close time {med['sync_close']['close_s'] / g['close_s']:.2f}x; "
               f"plain/grouped close {med['plain']['close_s'] / g['close_s']:.2f}x, "
               f"durable {med['plain']['durable_s'] / g['durable_s']:.2f}x\n")
-    return table + moto_note(results)
+    return table + factor_steps(med) + peer_text + moto_note(results)
 
 
 def moto_note(results: list[dict]) -> str:
@@ -624,6 +684,8 @@ def write_table(results: list[dict]) -> str:
     def f(v, fmt="{:.2f}"):
         return "-" if v is None else fmt.format(v)
 
+    peer_text, results = peers.comparison(results), peers.completed(results)
+
     rows = [[r["mode"], f(r["close_s"]), f(r["durable_s"]), f(r["s3_rx_bytes"] / MiB, "{:.0f}"),
              f(r["s3_rx_bytes"] / r["unique_bytes"]),
              " ".join(f"{n}:{b / MiB:.0f}" for n, b in sorted(r["uploaded_by_node"].items())),
@@ -635,13 +697,13 @@ def write_table(results: list[dict]) -> str:
                               "MiB uploaded per node", "moto CPU s (of durable)", "LP bound s", "plan makespan s",
                               "durable / LP bound"], rows)
     med = {m: {k: h.median([r[k] for r in results if r["mode"] == m]) for k in ("close_s", "durable_s")}
-           for m in ("sync_close", "plain", "grouped") if any(r["mode"] == m for r in results)}
+           for m in FACTOR_NAMES if any(r["mode"] == m for r in results)}
     g = med["grouped"]
     table += "\n\n" + (f"write-through/grouped close {med['sync_close']['close_s'] / g['close_s']:.2f}x; "
                        if "sync_close" in med else "")
     table += (f"plain/grouped close {med['plain']['close_s'] / g['close_s']:.2f}x, "
               f"durable {med['plain']['durable_s'] / g['durable_s']:.2f}x\n")
-    return table + moto_note(results)
+    return table + factor_steps(med) + peer_text + moto_note(results)
 
 
 def read_table(results: list[dict]) -> str:
@@ -677,6 +739,14 @@ def scenario_list(text: str) -> list[str]:
     return [s for s in SCENARIOS if s in chosen]
 
 
+def peer_list(text: str) -> list[str]:
+    """``--peers``: ``all``, ``none`` or a comma list of the external systems (``_peers.MODES``)."""
+    try:
+        return peers.mode_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def report(a: argparse.Namespace, results: dict[str, list[dict]]) -> str:
     """One markdown section per scenario that ran."""
     links = f"fabric {a.fabric_mbit:g}, storage {a.storage_mbit:g}, backend {a.backend_mbit:g} Mbit/s (tbf)"
@@ -686,8 +756,11 @@ def report(a: argparse.Namespace, results: dict[str, list[dict]]) -> str:
         "sharded": f"sharded: each of {a.nodes} emulated nodes writes a unique {a.size_mib} MiB shard; {links}",
         "read": (f"read: N of {a.nodes} emulated nodes read one {a.size_mib} MiB model file from cold pools "
                  f"(fresh copy per N, group.size = N); {links}"),
+        "kv": _kv.header(a),
+        "dcp": (f"dcp: PyTorch DCP save + load, {a.nodes} gloo ranks (one per emulated node), {a.size_mib} MiB "
+                f"replicated model + Adam state and a {a.shard_mib} MiB tensor per rank; {links}"),
     }
-    tables = {"dp": dp_table, "rank0": write_table, "sharded": write_table, "read": read_table}
+    tables = {"dp": dp_table, "rank0": write_table, "sharded": write_table, "read": read_table, "kv": _kv.table, "dcp": _dcp.table}
     return "\n".join(f"{headers[s]}\n\n{tables[s](runs)}" for s, runs in results.items() if runs)
 
 
@@ -706,6 +779,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=1, help="runs of each mode (medians in the ratios)")
     ap.add_argument("--dram", default="2G", help="each daemon's -o dram= (default 2G)")
     ap.add_argument("--check-s", type=float, default=2.0, help="seconds per link rate check; 0 skips the checks (default 2)")
+    ap.add_argument("--peers", type=peer_list, default=[],
+                    help=f"external systems run as extra write modes: comma list of {', '.join(peers.MODES)}, all or none "
+                         "(default none; install them with scripts/setup.sh --bench)")
+    ap.add_argument("--rclone-write-back", default=peers.RCLONE_WRITE_BACK_DEFAULT,
+                    help="rclone mount --vfs-write-back: delay from close to upload (default 5s, rclone's own)")
     ap.add_argument("--keep", action="store_true", help="after the run keep the testbed up until Ctrl-C, then tear it down")
     ap.add_argument("--run-id", help=argparse.SUPPRESS)  # tests choose it to check the teardown
     a = ap.parse_args(argv)
@@ -721,6 +799,7 @@ def main(argv=None) -> int:
     tb = Testbed(a)
     try:
         nn.preflight(f"{tb.prefix}probe")
+        peers.preflight(a.peers)
     except nn.TestbedError as exc:
         print(f"testbed: {exc}", file=sys.stderr)
         return 2
@@ -742,6 +821,13 @@ def main(argv=None) -> int:
         runs = [r for s in a.scenario for r in results[s]]
         md, js = h.save_results("testbed", table, {"args": vars(a), "rates": rates, "runs": runs})
         print(f"results: {md} {js}")
+        if _charts.available():
+            titles = {s: (f"{s}: {a.nodes} emulated nodes, --size-mib {a.size_mib} --shard-mib {a.shard_mib}; per node "
+                          f"storage {a.storage_mbit:g} / fabric {a.fabric_mbit:g}, backend {a.backend_mbit:g} Mbit/s")
+                      for s in results}
+            print("charts: " + " ".join(_charts.save_all(md[: -len(".md")], results, titles)))
+        else:
+            print("charts: skipped (matplotlib not installed: pip install -e .[bench])")
         if a.keep:
             print(f"--keep: testbed up; enter a node with `nsenter --net=/run/netns/{tb.node_ns[0]} bash`. Ctrl-C tears down.")
             tb.start_cluster(sync_close=False)

@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # Install everything aiturbofs and its tests need on a fresh Debian 12 host
-# (run as root).  Idempotent.  Usage: bash scripts/setup.sh [--test]
+# (run as root).  Idempotent.  Usage: bash scripts/setup.sh [--test|--bench]
+# --bench: what --test installs, plus what the benchmarks need (benchmarks/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
 pkgs=(libfuse3-dev fuse3 attr pkg-config)
-if [ "${1:-}" = "--test" ]; then
+if [ "${1:-}" = "--test" ] || [ "${1:-}" = "--bench" ]; then
     pkgs+=(fio rsync postgresql)
+fi
+if [ "${1:-}" = "--bench" ]; then
+    # the testbed's links (ip, tc, nsenter, curl) and its external baselines: rclone mount, s3fs-fuse
+    pkgs+=(iproute2 util-linux curl rclone s3fs)
 fi
 # The RDMA fabric (docs/rdma.md) needs pyverbs: on hosts with an RDMA device, and
 # for the tests (which check that it loads, and skip the hardware runs without a device).
-if [ "${1:-}" = "--test" ] || [ -n "$(ls -A /sys/class/infiniband 2>/dev/null)" ]; then
+if [ "${1:-}" = "--test" ] || [ "${1:-}" = "--bench" ] || [ -n "$(ls -A /sys/class/infiniband 2>/dev/null)" ]; then
     pkgs+=(python3-pyverbs)
 fi
 missing=()
@@ -21,6 +26,8 @@ if [ "${#missing[@]}" -gt 0 ]; then
 fi
 if [ "${1:-}" = "--test" ]; then
     python3 -m pip install -q --disable-pip-version-check -e '.[test]'
+elif [ "${1:-}" = "--bench" ]; then
+    python3 -m pip install -q --disable-pip-version-check -e '.[test,bench]'
 else
     python3 -m pip install -q --disable-pip-version-check -e .
 fi
