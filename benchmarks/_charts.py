@@ -135,10 +135,18 @@ def _read_chart(path: str, title: str, rows: list[dict]) -> str:
                                 ("s3_tx_bytes", "bytes S3 sent (MiB)", MiB)])
 
 
+def _dcp_chart(path: str, title: str, rows: list[dict]) -> str:
+    """Save, durable and load seconds per mode x DCP's own dedup."""
+    labelled = [{**r, "label": f"{r['mode']}\nDCP dedup {'on' if r.get('dcp_dedup') else 'off'}"} for r in rows]
+    return grouped_bars(path, title, labelled, label_key="label",
+                        value_keys={"save_s": "dcp.save (slowest rank)", "durable_s": "durable (all in S3)",
+                                    "load_s": "dcp.load from cold pools"})
+
+
 # scenario -> chart(path, title, rows); scenarios not listed get grouped_bars when their rows have
 # close_s and durable_s, else no chart
 CHARTS: dict[str, Callable[[str, str, list[dict]], str]] = {
-    "dp": _write_chart, "rank0": _write_chart, "sharded": _write_chart, "read": _read_chart,
+    "dp": _write_chart, "rank0": _write_chart, "sharded": _write_chart, "read": _read_chart, "dcp": _dcp_chart,
 }
 
 
