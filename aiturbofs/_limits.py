@@ -155,6 +155,9 @@ GROUPS_TRACKED_MAX = 1024  # groups whose round statistics are kept (the least r
 GROUP_CHUNKS_TRACKED_MAX = 1 << 20  # distinct chunk hashes counted per group by the embedded controller
 ROUND_WINDOW_S = 0.2  # a round without a group size closes this long after its first report
 ROUND_WAIT_MAX_S = 10.0  # every round closes this long after its first report, complete or short
+# ... a read round sooner: its readers stop waiting for the plan CLUSTER_READ_WAIT_S after
+# open(), so a plan later than that only prefetches what they already fetched alone
+READ_ROUND_WAIT_MAX_S = 2.0
 ROUND_FILES_MAX = 4096  # files in one round; a full round closes at once
 ROUND_PLAN_TIMEOUT_S = 30.0  # dedup lookup + plan of one round; past it every report of the round gets an error
 ROUND_PLANS_MAX = 4  # plans of one round while nodes keep dying under it; then its reports get an error

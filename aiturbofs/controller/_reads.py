@@ -2,7 +2,10 @@
 
 Nodes report each file a grouped reader opens (same body as a write report).
 A round closes like a write round (``group_size`` files, the window, or the
-wait bound).  For every unique chunk of the round the plan picks one *head*
+wait bound), but its wait bound is READ_ROUND_WAIT_MAX_S: a reader stops
+waiting for the plan CLUSTER_READ_WAIT_S after open().  Files opened by fewer
+readers than ``group_size`` (PyTorch DCP's load without its own dedup: every
+rank reads one rank's file and its own) no longer hold their round 10 s.  For every unique chunk of the round the plan picks one *head*
 among the nodes reading it — a node that already holds it in DRAM if one
 reads it, otherwise the reader with the least storage work so far relative
 to its storage-NIC rate, so the fetches spread over every S-NIC — and a
@@ -16,6 +19,7 @@ from __future__ import annotations
 import collections
 import logging
 
+from .._limits import READ_ROUND_WAIT_MAX_S
 from ._rounds import RoundKeeper, _Round
 
 log = logging.getLogger(__name__)
@@ -23,6 +27,11 @@ log = logging.getLogger(__name__)
 
 class ReadRoundKeeper(RoundKeeper):
     """The read rounds of one controller (see module doc); the rest is ``RoundKeeper``'s."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.wait_max_s = min(self.wait_max_s, READ_ROUND_WAIT_MAX_S)
+        self.window_s = min(self.window_s, self.wait_max_s)
 
     async def _plan(self, rnd: _Round, members: dict) -> dict[tuple[str, int], dict]:
         files = list(rnd.reports.items())

@@ -103,6 +103,7 @@ class ClusterNode:
         # when reads of a file stop waiting for its pending plan: once per
         # open, not per chunk (sequential reads each waited the full bound)
         self._read_deadline: dict[int, float] = {}
+        self._skew_spent: set[int] = set()  # pending plans a chunk request already waited the skew for
         self._chain: dict[bytes, _Link] = {}
         self._unreachable: dict[str, float] = {}  # peer -> when connecting to it last failed
         self._nursery = None
@@ -228,11 +229,22 @@ class ClusterNode:
             self.stats["chunks_served"] += 1
             return await self.pool.spill.read(key)
         link = self._chain.get(key)
-        if link is None and self._read_planned:
-            # a chain successor may ask before our own copy of the plan is in
-            with trio.move_on_after(CLUSTER_CHAIN_PLAN_SKEW_S):
-                for event in list(self._read_planned.values()):
-                    await event.wait()
+        pending = [ino for ino in self._read_planned if ino not in self._skew_spent]
+        if link is None and pending:
+            # A chain successor may ask before our own copy of the plan is in:
+            # the round's answers reach its readers within the skew of each
+            # other.  A plan still pending after that is a round that has not
+            # closed (it waits for more readers), whose successors cannot ask
+            # yet; so each pending plan costs one skew wait, not one per chunk
+            # asked for (holders' DRAM lookups of a short round's readers
+            # each waited the full skew).
+            with trio.move_on_after(CLUSTER_CHAIN_PLAN_SKEW_S) as scope:
+                for ino in pending:
+                    event = self._read_planned.get(ino)
+                    if event is not None:
+                        await event.wait()
+            if scope.cancelled_caught:
+                self._skew_spent.update(ino for ino in pending if ino in self._read_planned)
             link = self._chain.get(key)
         if link is not None and self.fs is not None and peer.node in link.downstream:
             # Further down one of our read chains: wait until we have it (fetching
@@ -460,6 +472,7 @@ class ClusterNode:
         finally:
             event = self._read_planned.pop(request.ino, None)
             self._read_deadline.pop(request.ino, None)
+            self._skew_spent.discard(request.ino)
             if event is not None:
                 event.set()
         if not mine:
