@@ -58,6 +58,11 @@ S3_COPY_OBJECT_BYTES_MAX = 5 * GiB  # CopyObject limit; larger objects are copie
 S3_PUT_BYTES_MAX = 1 * MiB  # a lone short part is copied on the trio thread and sent as one PutObject
 UPLOAD_TOKEN_BYTES_MAX = 32 * KiB  # a remote-part token or receipt: a key, escaped, plus an UploadId; fits a fabric control body
 PERSIST_BACKOFF_JITTER = 0.5  # a retry sleeps backoff x uniform(1 - this, 1): files failed by one outage do not retry in step
+# A read of a chunk from the backend retries transient errors (a 503, a reset
+# connection) this many times, backing off from READ_RETRY_FIRST_S (doubling,
+# jittered): about 3 s in all before the reader gets EIO.
+READ_RETRY_ATTEMPTS = 5
+READ_RETRY_FIRST_S = 0.2
 PERSIST_PARTS_UNPOOLED_MAX = 4  # parts uploading at once whose chunk is not in DRAM (read back from spill or the backend outside the budget)
 S3_STALE_UPLOADS_MAX = 1024  # multipart uploads whose abort failed, kept to abort again once S3 answers (oldest forgotten)
 

@@ -126,7 +126,7 @@ def assert_all_durable_and_exact(faulty: FaultyS3, m, files: dict[str, bytes]) -
     for name in files:
         left = max(1.0, deadline - time.monotonic())
         assert wait_state(m.path(name), "durable", left) == "durable", f"{name}: {state(m.path(name))}\n{m.log()[-3000:]}"
-    faulty.proxy.set(down=False, error_rate=0.0, delay_s=0.0)  # reads are not retried: read back cleanly
+    faulty.proxy.set(down=False, error_rate=0.0, delay_s=0.0)  # read back without faults: what is checked here is the upload
     assert json.loads(aiturbo("drop-cache", m.mountpoint).stdout).get("ok")
     for name, data in files.items():
         with open(m.path(name), "rb") as f:
@@ -218,6 +218,37 @@ def test_five_percent_5xx_every_file_durable_once(faulty):
 
 
 # ------------------------------------------------------------------------ slow backend
+
+
+def test_reads_ride_out_transient_errors(faulty):
+    """A reader of durable files whose chunks must come from S3 while 15% of
+    requests fail with 5xx gets every byte, not EIO: reads retry transient
+    errors (24 chunk reads: without retries one of them fails 98% of the time)."""
+    m = faulty.mount()
+    files = {f"r{i}.bin": secrets.token_bytes(100 * 1024 + i) for i in range(24)}
+    for name, data in files.items():
+        write_timed(m.path(name), data)
+    for name in files:
+        assert wait_state(m.path(name), "durable", DURABLE_WAIT_S) == "durable", m.log()[-3000:]
+    faulty.proxy.set(error_rate=0.15)
+
+    def failed_chunk_reads():
+        return [r for r in faulty.proxy.requests(method="GET")
+                if r.outcome in ("error", "error-after") and "/pre/r" in r.target]
+
+    for _ in range(3):  # until a chunk read was failed (each pass: 24 reads at 15%)
+        assert json.loads(aiturbo("drop-cache", m.mountpoint).stdout).get("ok")
+        for name, data in files.items():
+            with open(m.path(name), "rb") as f:
+                assert sha(f.read()) == sha(data), f"{name}: the mount reads other bytes"
+        if failed_chunk_reads():
+            break
+    faulty.proxy.set(error_rate=0.0)
+    failed = failed_chunk_reads()
+    assert failed, "no chunk read failed: the fault injection did not happen"
+    st = json.loads(aiturbo("status", m.mountpoint, "--json").stdout)
+    assert st["persist"]["read_retries"] >= len(failed), (len(failed), st["persist"])
+    assert "BUG" not in m.log()
 
 
 def test_slow_backend_does_not_slow_close(faulty):

@@ -99,6 +99,7 @@ class NodeCollector:
         c = _counter("aiturbo_errors", "Errors by kind: backend_retry (transient backend error, retried), "
                      "broken_file (a file marked broken), logged (errors shown by aiturbo status)", labels=["kind"])
         c.add_metric(["backend_retry"], p.retries)
+        c.add_metric(["backend_read_retry"], p.read_retries)
         c.add_metric(["broken_file"], p.files_broken)
         c.add_metric(["logged"], getattr(self.fs, "errors_total", len(self.fs.errors)))
         yield c

@@ -288,7 +288,7 @@ class _Dispatcher:
                 "queue": p.queue_length(), "queued": queued, "bytes_uploaded": p.bytes_uploaded,
                 "bytes_fetched": p.bytes_fetched, "bytes_copied": p.bytes_copied,
                 "bytes_uploaded_for_peers": p.bytes_uploaded_for_peers, "files_durable": p.files_durable,
-                "files_broken": p.files_broken, "retries": p.retries,
+                "files_broken": p.files_broken, "retries": p.retries, "read_retries": p.read_retries,
             },
             "groups": self.controller.summary(),
             "cluster": self.cluster.status() if self.cluster is not None else None,

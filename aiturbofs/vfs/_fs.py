@@ -929,7 +929,7 @@ class Filesystem:
         cache_key = chunk.digest(b"external\0" + key + b"\0" + etag + b"\0" + str(index).encode())
 
         async def fetch() -> bytes:
-            data = await self.backend.read_range(keys[0], index * CHUNK_BYTES, length)
+            data = await self.persister.read_range(keys[0], index * CHUNK_BYTES, length)
             if len(data) != length:
                 raise BrokenFile(f"{keys[0]} is shorter than expected (changed in the backend?)")
             return data

@@ -44,6 +44,8 @@ from .._limits import (
     PERSIST_BACKOFF_MAX_S,
     PERSIST_FILES_IN_FLIGHT,
     PERSIST_SPARE_FILES_MAX,
+    READ_RETRY_ATTEMPTS,
+    READ_RETRY_FIRST_S,
     PERSIST_PARTS_IN_FLIGHT,
     PERSIST_PARTS_UNPOOLED_MAX,
 )
@@ -150,6 +152,7 @@ class Persister:
         self.files_durable = 0
         self.files_broken = 0
         self.retries = 0
+        self.read_retries = 0  # backend reads retried for a reader (read_range)
         # Set (and replaced) whenever a file became durable: jobs sleeping in
         # backoff then retry at once instead of at the end of a sleep that may
         # have grown to PERSIST_BACKOFF_MAX_S while the backend was down.
@@ -884,11 +887,31 @@ class Persister:
                 raise
             return await self._read_verified(again, index, key, length)
 
+    async def read_range(self, key: str, offset: int, length: int) -> bytes:
+        """``backend.read_range`` for a reader: transient errors are retried a few times.
+
+        The backend layer never retries (the persister owns upload retries);
+        a reader blocked on a chunk gets READ_RETRY_ATTEMPTS tries, backing
+        off, before the error reaches it as EIO.  One 503 must not fail a read.
+        """
+        backoff = READ_RETRY_FIRST_S
+        for attempt in range(1, READ_RETRY_ATTEMPTS + 1):
+            try:
+                return await self.backend.read_range(key, offset, length)
+            except TransientBackendError as exc:
+                if attempt == READ_RETRY_ATTEMPTS:
+                    raise
+                self.read_retries += 1
+                log.info("read_retry key=%s offset=%d error=%r retry_in_s=%.1f", key, offset, str(exc), backoff)
+                await trio.sleep(backoff * random.uniform(1.0 - PERSIST_BACKOFF_JITTER, 1.0))
+                backoff *= 2
+        raise AssertionError("unreachable")
+
     async def _read_verified(self, backend_keys: list[str], index: int, key: bytes, length: int) -> bytes:
         last: Exception | None = None
         for bkey in backend_keys:
             try:
-                data = await self.backend.read_range(bkey, index * CHUNK_BYTES, length)
+                data = await self.read_range(bkey, index * CHUNK_BYTES, length)
                 chunk.verify(data, key, f"{bkey} chunk {index}")
                 self.bytes_fetched += len(data)
                 return data
