@@ -647,6 +647,12 @@ def factor_steps(med: dict[str, dict[str, float]]) -> str:
     return "factor steps (time before / time after): " + "; ".join(steps) + "\n" if steps else ""
 
 
+def persist_s(r: dict) -> float:
+    """Close of the slowest writer to durable: the time the plan's LP bound is a bound on
+    (it starts from the data staged in DRAM; durable_s also counts the writes)."""
+    return max(0.0, r["durable_s"] - r["close_s"])
+
+
 def dp_table(results: list[dict]) -> str:
     def f(v, fmt="{:.2f}"):
         return "-" if v is None else fmt.format(v)
@@ -656,11 +662,12 @@ def dp_table(results: list[dict]) -> str:
     rows = [[r["mode"], f(r["close_s"]), f(r["durable_s"]), f(r["s3_rx_bytes"] / MiB, "{:.0f}"),
              f(r["s3_rx_bytes"] / r["unique_bytes"]),
              " ".join(f"{n}:{b / MiB:.0f}" for n, b in sorted(r["uploaded_by_node"].items())),
-             f"{r['moto_cpu_s']:.1f} ({r['moto_cpu_s'] / r['durable_s']:.0%})", f(r["lp_bound_s"], "{:.3f}"), f(r["makespan_s"], "{:.3f}")]
+             f"{r['moto_cpu_s']:.1f} ({r['moto_cpu_s'] / r['durable_s']:.0%})", f(r["lp_bound_s"], "{:.3f}"), f(r["makespan_s"], "{:.3f}"),
+             f(persist_s(r)), f(persist_s(r) / r["lp_bound_s"] if r["lp_bound_s"] else None)]
             for r in results]
     table = h.markdown_table(["mode", "close s (slowest)", "durable s", "S3 rx MiB", "S3 rx / unique",
                               "MiB uploaded per node", "moto CPU s (of durable)", "LP bound s",
-                              "plan makespan s"], rows)
+                              "plan makespan s", "persist s", "persist / LP bound"], rows)
     med = {m: {k: h.median([r[k] for r in results if r["mode"] == m]) for k in ("close_s", "durable_s")}
            for m in FACTOR_NAMES if any(r["mode"] == m for r in results)}
     g = med["grouped"]
@@ -691,11 +698,11 @@ def write_table(results: list[dict]) -> str:
              " ".join(f"{n}:{b / MiB:.0f}" for n, b in sorted(r["uploaded_by_node"].items())),
              f"{r['moto_cpu_s']:.1f} ({r['moto_cpu_s'] / r['durable_s']:.0%})",
              f(r["lp_bound_s"], "{:.3f}"), f(r["makespan_s"], "{:.3f}"),
-             f(r["durable_s"] / r["lp_bound_s"] if r["lp_bound_s"] else None)]
+             f(persist_s(r)), f(persist_s(r) / r["lp_bound_s"] if r["lp_bound_s"] else None)]
             for r in results]
     table = h.markdown_table(["mode", "close s (slowest)", "durable s", "S3 rx MiB", "S3 rx / unique",
                               "MiB uploaded per node", "moto CPU s (of durable)", "LP bound s", "plan makespan s",
-                              "durable / LP bound"], rows)
+                              "persist s", "persist / LP bound"], rows)
     med = {m: {k: h.median([r[k] for r in results if r["mode"] == m]) for k in ("close_s", "durable_s")}
            for m in FACTOR_NAMES if any(r["mode"] == m for r in results)}
     g = med["grouped"]
