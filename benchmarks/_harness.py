@@ -10,6 +10,7 @@ moto server are the test suite's own helpers (``tests/mounting.py``,
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -171,6 +173,49 @@ def wait_durable(paths: list[str], timeout_s: float, poll_s: float = 0.02) -> fl
             raise RuntimeError(f"not durable after {timeout_s:.0f} s: {pending}")
         time.sleep(poll_s)
     return time.monotonic() - start
+
+
+def read_sha(path: str) -> str:
+    """sha256 of a file read with 1 MiB reads (as a loader reads a model file)."""
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_together(paths: list[str], want: list[str], timeout_s: float, what: str) -> list[float]:
+    """Read every path in its own thread, all released at once; seconds from that start to each end.
+
+    Raises RuntimeError, naming ``what`` and the path, if a read hangs past
+    ``timeout_s``, fails, or returns other bytes than ``want`` (sha256 each).
+    """
+    barrier = threading.Barrier(len(paths) + 1)
+    done: dict[int, object] = {}
+
+    def read(i: int) -> None:
+        barrier.wait()
+        try:
+            done[i] = (read_sha(paths[i]), time.monotonic())
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            done[i] = exc
+
+    threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(paths))]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.monotonic()
+    for t in threads:
+        t.join(max(0.0, t0 + timeout_s - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        raise RuntimeError(f"{what}: readers still running after {timeout_s:.0f} s")
+    failed = {paths[i]: r for i, r in done.items() if isinstance(r, BaseException)}
+    if failed:
+        raise RuntimeError(f"{what}: reads failed: {failed!r}")
+    wrong = [paths[i] for i in range(len(paths)) if done[i][0] != want[i]]
+    if wrong:
+        raise RuntimeError(f"{what}: read other bytes than were written: {wrong}")
+    return [done[i][1] - t0 for i in range(len(paths))]
 
 
 def median(values: list[float]) -> float:

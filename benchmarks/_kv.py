@@ -86,14 +86,6 @@ def _write(path: str, parts: list[bytes], out: dict) -> None:
     out[path] = time.monotonic() - t0  # open + writes + close()
 
 
-def _sha(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while block := f.read(MiB):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _settle(tb, nodes: list[int]) -> None:
     """Wait until ``nodes`` hold no dirty byte and no replica: only then can drop-cache empty them."""
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
@@ -181,33 +173,10 @@ def _read_pass(tb, names: list[str], want: list[str], reader_of: list[int], what
     """Every reader node opens all of its files at once; per-node time, S3 bytes and chunks from peers."""
     readers = sorted(set(reader_of))
     before, tx0 = _counters(tb), tb.s3_tx_bytes()
-    barrier = threading.Barrier(len(names) + 1)
-    done: dict[int, object] = {}
-
-    def read(f: int) -> None:
-        barrier.wait()
-        try:
-            done[f] = (_sha(os.path.join(tb.mounts[reader_of[f]], names[f])), time.monotonic())
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            done[f] = exc
-
-    threads = [threading.Thread(target=read, args=(f,), daemon=True) for f in range(len(names))]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    t0 = time.monotonic()
-    for t in threads:
-        t.join(READ_TIMEOUT_S)
-    if any(t.is_alive() for t in threads):
-        raise RuntimeError(f"{what}: readers still running after {READ_TIMEOUT_S:.0f} s")
-    failed = {names[f]: r for f, r in done.items() if isinstance(r, BaseException)}
-    if failed:
-        raise RuntimeError(f"{what}: reads failed: {failed!r}")
-    wrong = [names[f] for f in range(len(names)) if done[f][0] != want[f]]
-    if wrong:
-        raise RuntimeError(f"{what}: read other bytes than were written: {wrong}")
+    paths = [os.path.join(tb.mounts[reader_of[f]], names[f]) for f in range(len(names))]
+    ends = h.read_together(paths, want, READ_TIMEOUT_S, what)
     after = _counters(tb)
-    read_s = {f"n{r}": max(done[f][1] for f in range(len(names)) if reader_of[f] == r) - t0 for r in readers}
+    read_s = {f"n{r}": max(ends[f] for f in range(len(names)) if reader_of[f] == r) for r in readers}
     return {"read_s_by_node": read_s, "s3_tx_bytes": tb.s3_tx_bytes() - tx0,
             "files_by_node": {f"n{r}": reader_of.count(r) for r in readers},
             "chunks_needed_by_node": {f"n{r}": chunks_needed(reader_of.count(r), prefix_bytes, suffix_bytes)

@@ -40,7 +40,6 @@ import hashlib
 import os
 import shutil
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -68,14 +67,6 @@ def write_file(path: str, data: bytes) -> None:
         view = memoryview(data)
         for off in range(0, len(data), MiB):
             f.write(view[off: off + MiB])
-
-
-def read_sha(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while block := f.read(MiB):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def cold_pools(cluster: Cluster) -> None:
@@ -125,32 +116,9 @@ def run(cluster: Cluster, source: str, want: str, size: int, mode: str, n: int, 
     cold_pools(cluster)
     nodes = list(range(n))
     before, s3_before = counters(cluster), cluster.s3_sent_bytes()
-    barrier = threading.Barrier(n + 1)
-    results: dict[int, object] = {}
-
-    def reader(i: int) -> None:
-        barrier.wait()
-        try:
-            results[i] = (read_sha(cluster.path(i, name)), time.monotonic())
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            results[i] = exc
-
-    threads = [threading.Thread(target=reader, args=(i,), daemon=True) for i in nodes]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    t0 = time.monotonic()
     started = time.strftime("%H:%M:%S")  # to find the run in the daemons' logs (--keep)
-    for t in threads:
-        t.join(READ_TIMEOUT_S)
-    if any(t.is_alive() for t in threads):
-        raise RuntimeError(f"{mode} N={n}: readers still running after {READ_TIMEOUT_S:.0f} s")
-    for i in nodes:
-        if isinstance(results[i], BaseException):
-            raise RuntimeError(f"{mode} N={n}: reader on {cluster.name(i)} failed: {results[i]!r}")
-        if results[i][0] != want:
-            raise RuntimeError(f"{mode} N={n}: {cluster.name(i)} read other bytes")
-    wall_s = max(results[i][1] for i in nodes) - t0
+    ends = h.read_together([cluster.path(i, name) for i in nodes], [want] * n, READ_TIMEOUT_S, f"{mode} N={n}")
+    wall_s = max(ends)
     s3_sent = cluster.s3_sent_bytes() - s3_before
     after = counters(cluster)
     diff = {node: {k: v - before[node][k] for k, v in c.items()} for node, c in after.items()}

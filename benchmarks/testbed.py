@@ -512,14 +512,6 @@ def drop_caches(tb: Testbed) -> None:
         raise RuntimeError(f"bytes left in the pools after drop-cache: {left}")
 
 
-def read_sha(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while block := f.read(MiB):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def reader_counts(nodes: int) -> list[int]:
     """1, 2, 4, ... up to ``nodes``, and ``nodes`` itself."""
     counts = [n for n in (1 << k for k in range(nodes.bit_length())) if n <= nodes]
@@ -550,32 +542,9 @@ def run_read(tb: Testbed, source: str, want: str, n: int, step: int) -> dict:
     drop_caches(tb)
     time.sleep(1.1)  # the other nodes' kernels see the new directory (attribute timeout)
     fetched0, tx0 = {f"n{i}": tb.status(i)["persist"]["bytes_fetched"] for i in tb.mounts}, tb.s3_tx_bytes()
-    barrier = threading.Barrier(n + 1)
-    done: dict[int, object] = {}
-
-    def reader(i: int) -> None:
-        barrier.wait()
-        try:
-            done[i] = (read_sha(os.path.join(tb.mounts[i], name)), time.monotonic())
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            done[i] = exc
-
-    threads = [threading.Thread(target=reader, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    t0 = time.monotonic()
-    for t in threads:
-        t.join(READ_TIMEOUT_S)
-    if any(t.is_alive() for t in threads):
-        raise RuntimeError(f"read N={n}: readers still running after {READ_TIMEOUT_S:.0f} s")
-    failed = {i: r for i, r in done.items() if isinstance(r, BaseException)}
-    if failed:
-        raise RuntimeError(f"read N={n}: readers failed: {failed!r}")
-    for i in range(n):
-        if done[i][0] != want:
-            raise RuntimeError(f"read N={n}: n{i} read other bytes")
-    wall_s = max(done[i][1] for i in range(n)) - t0
+    ends = h.read_together([os.path.join(tb.mounts[i], name) for i in range(n)], [want] * n, READ_TIMEOUT_S,
+                           f"read N={n}")
+    wall_s = max(ends)
     s3_tx = tb.s3_tx_bytes() - tx0
     fetched = {f"n{i}": tb.status(i)["persist"]["bytes_fetched"] - fetched0[f"n{i}"] for i in tb.mounts}
     planned = tb.status(0)["cluster"]["last_read_plan"]
@@ -653,30 +622,6 @@ def persist_s(r: dict) -> float:
     return max(0.0, r["durable_s"] - r["close_s"])
 
 
-def dp_table(results: list[dict]) -> str:
-    def f(v, fmt="{:.2f}"):
-        return "-" if v is None else fmt.format(v)
-
-    peer_text, results = peers.comparison(results), peers.completed(results)
-
-    rows = [[r["mode"], f(r["close_s"]), f(r["durable_s"]), f(r["s3_rx_bytes"] / MiB, "{:.0f}"),
-             f(r["s3_rx_bytes"] / r["unique_bytes"]),
-             " ".join(f"{n}:{b / MiB:.0f}" for n, b in sorted(r["uploaded_by_node"].items())),
-             f"{r['moto_cpu_s']:.1f} ({r['moto_cpu_s'] / r['durable_s']:.0%})", f(r["lp_bound_s"], "{:.3f}"), f(r["makespan_s"], "{:.3f}"),
-             f(persist_s(r)), f(persist_s(r) / r["lp_bound_s"] if r["lp_bound_s"] else None)]
-            for r in results]
-    table = h.markdown_table(["mode", "close s (slowest)", "durable s", "S3 rx MiB", "S3 rx / unique",
-                              "MiB uploaded per node", "moto CPU s (of durable)", "LP bound s",
-                              "plan makespan s", "persist s", "persist / LP bound"], rows)
-    med = {m: {k: h.median([r[k] for r in results if r["mode"] == m]) for k in ("close_s", "durable_s")}
-           for m in FACTOR_NAMES if any(r["mode"] == m for r in results)}
-    g = med["grouped"]
-    table += (f"\n\nwrite-through/grouped close time {med['sync_close']['close_s'] / g['close_s']:.2f}x; "
-              f"plain/grouped close {med['plain']['close_s'] / g['close_s']:.2f}x, "
-              f"durable {med['plain']['durable_s'] / g['durable_s']:.2f}x\n")
-    return table + factor_steps(med) + peer_text + moto_note(results)
-
-
 def moto_note(results: list[dict]) -> str:
     """A warning when moto's CPU, not the shaped links, bounded the durable times of some run."""
     busy = [r["moto_cpu_s"] / r["durable_s"] for r in results]
@@ -687,7 +632,7 @@ def moto_note(results: list[dict]) -> str:
 
 
 def write_table(results: list[dict]) -> str:
-    """rank0 / sharded: each mode's times and where its bytes went, the plan's bound against the measurement."""
+    """dp / rank0 / sharded: each mode's times and where its bytes went, the plan's bound against the measurement."""
     def f(v, fmt="{:.2f}"):
         return "-" if v is None else fmt.format(v)
 
@@ -767,7 +712,7 @@ def report(a: argparse.Namespace, results: dict[str, list[dict]]) -> str:
         "dcp": (f"dcp: PyTorch DCP save + load, {a.nodes} gloo ranks (one per emulated node), {a.size_mib} MiB "
                 f"replicated model + Adam state and a {a.shard_mib} MiB tensor per rank; {links}"),
     }
-    tables = {"dp": dp_table, "rank0": write_table, "sharded": write_table, "read": read_table, "kv": _kv.table, "dcp": _dcp.table}
+    tables = {"dp": write_table, "rank0": write_table, "sharded": write_table, "read": read_table, "kv": _kv.table, "dcp": _dcp.table}
     return "\n".join(f"{headers[s]}\n\n{tables[s](runs)}" for s, runs in results.items() if runs)
 
 
