@@ -352,12 +352,10 @@ class Persister:
             if row.owner is None or row.owner not in dead or row.nlink == 0:
                 continue
             live = [h for h in row.holders if h not in dead]
-            paths = await self.meta.paths_of(row.ino)
-            name = paths[0] if paths else f"inode {row.ino}"
+            name = await self._name(row.ino)
             if not live:
                 if await self.meta.set_state(row.ino, STATE_BROKEN, if_version=row.version):
-                    self.fs.record_error(f"{name} is broken: every node holding it ({', '.join(row.holders)}) died before it was durable",
-                                         event=f"broken path={name} reason='every node holding it ({', '.join(row.holders)}) died before it was durable'")
+                    self._record_broken(name, f"every node holding it ({', '.join(row.holders)}) died before it was durable")
                     self.fs._notify_state(row.ino)
                 continue
             if live[0] == me and await self.meta.claim_owner(row.ino, row.version, row.owner, me):
@@ -377,14 +375,9 @@ class Persister:
                 log.info("recovering ino=%d from=replicas chunks=%d", row.ino, len(missing))
                 missing = []
             if missing and not row.backend_keys:
-                paths = await self.meta.paths_of(row.ino)
                 await self.meta.set_state(row.ino, STATE_BROKEN)
-                name = paths[0] if paths else f"inode {row.ino}"
-                self.fs.record_error(
-                    f"{name} is broken: {len(missing)} of its "
-                    f"{len(keys)} chunk(s) were only in DRAM when the daemon stopped",
-                    event=f"broken path={name} reason='chunks only in DRAM at the stop' missing={len(missing)} chunks={len(keys)}",
-                )
+                self._record_broken(await self._name(row.ino), f"{len(missing)} of its {len(keys)} chunk(s) "
+                                    "were only in DRAM when the daemon stopped")
                 continue
             for k in keys:
                 if k in self.pool.spill:
@@ -404,11 +397,7 @@ class Persister:
         backoff = PERSIST_BACKOFF_FIRST_S
         while True:
             try:
-                durable_before = self.files_durable
                 await self._reconcile(ino)
-                if self.files_durable != durable_before:
-                    self._backend_answers.set()
-                    self._backend_answers = trio.Event()
                 return
             except NotFound:
                 return  # the inode is gone: nothing left to persist
@@ -437,13 +426,16 @@ class Persister:
             paths = []
         return paths[0] if paths else f"inode {ino}"
 
+    def _record_broken(self, name: str, why: str) -> None:
+        """The error ``aiturbo status`` shows and its ``broken path= reason=`` log line."""
+        self.fs.record_error(f"{name} is broken: {why}", event=f"broken path={name} reason={why!r}")
+
     async def _mark_broken(self, ino: int, why: str) -> None:
         row = await self.meta.get_inode(ino)
-        paths = await self.meta.paths_of(ino)
+        name = await self._name(ino)
         await self.meta.set_state(ino, STATE_BROKEN, if_version=row.version)
         self.files_broken += 1
-        name = paths[0] if paths else f"inode {ino}"
-        self.fs.record_error(f"{name} is broken: {why}", event=f"broken path={name} reason={why!r}")
+        self._record_broken(name, why)
         row = await self.meta.get_inode(ino)
         await self.fs.on_persisted(ino, row)
         self._release_pins(ino, row)
@@ -637,6 +629,8 @@ class Persister:
         if durable:
             await self._record_sources(row, target, info.etag)
             self.files_durable += 1
+            self._backend_answers.set()  # jobs sleeping in backoff retry now
+            self._backend_answers = trio.Event()
             log.info("persisted path=%s size=%d s=%.2f version=%d", paths[0], row.size, time.monotonic() - started,
                      row.version)
             await self.fs.on_persisted(row.ino, await self.meta.get_inode(row.ino))
