@@ -4,7 +4,8 @@ A file is a sequence of fixed-size chunks (``CHUNK_BYTES``); chunk ``i``
 covers bytes ``[i * CHUNK_BYTES, (i + 1) * CHUNK_BYTES)``.  A manifest is the
 concatenation of the chunks' 32-byte BLAKE3 digests; ``HOLE`` (all zeros)
 marks a chunk that was never written (it reads as zeros).  This module owns
-that format and the integrity check; it does no I/O and imports no other
+that format, the integrity check and the rendezvous order replicas are
+placed in without a plan; it does no I/O and imports no other
 layer.
 """
 
@@ -71,3 +72,14 @@ def unpack_manifest(manifest: bytes) -> list[bytes]:
     """Split a manifest into its chunk digests."""
     assert len(manifest) % HASH_BYTES == 0, "manifest length is a multiple of 32"
     return [manifest[i : i + HASH_BYTES] for i in range(0, len(manifest), HASH_BYTES)]
+
+
+def rendezvous_order(ino: int, names) -> list[str]:
+    """``names`` (nodes) in the rendezvous-hash order of inode ``ino``.
+
+    Where a file's replicas go without a round plan: a node placing its own
+    file and the controller topping up replicas in ``--plan dedup`` rounds
+    rank nodes the same way, so they agree without talking; stable while
+    membership holds, spread over files.
+    """
+    return sorted(names, key=lambda n: blake3.blake3(f"{ino}/{n}".encode()).digest())

@@ -31,7 +31,6 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import blake3
 import numpy as np
 import trio
 
@@ -338,7 +337,7 @@ class RoundKeeper:
 
         The replica targets are the live nodes in the rendezvous order of the
         file's inode, the order a node placing its file alone uses
-        (``node._cluster``'s ``_candidates``), so this mode differs from an
+        (``chunk.rendezvous_order``), so this mode differs from an
         untagged write only by the dedup.
         """
         for k in pending:
@@ -349,8 +348,7 @@ class RoundKeeper:
             missing = replicas - len(ch.writers)
             if missing <= 0:
                 continue
-            order = sorted((n for n in nodes if n not in ch.writers),
-                           key=lambda n: blake3.blake3(f"{rep.ino}/{n}".encode()).digest())
+            order = chunk.rendezvous_order(rep.ino, (n for n in nodes if n not in ch.writers))
             for dst in order[:missing]:
                 stage[pos].append([idx, dst])
                 ch.dests.add(dst)

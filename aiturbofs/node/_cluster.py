@@ -26,7 +26,6 @@ import socket
 import time
 from dataclasses import dataclass
 
-import blake3
 import trio
 
 from .. import chunk
@@ -519,7 +518,7 @@ class ClusterNode:
     def _candidates(self, ino: int, avoid: set[str]) -> list[str]:
         """Live nodes in rendezvous order for ``ino`` (a stable, spread choice)."""
         names = [n for n in self.members if n not in avoid and n not in self.dead and n != self.node]
-        return sorted(names, key=lambda n: blake3.blake3(f"{ino}/{n}".encode()).digest())
+        return chunk.rendezvous_order(ino, names)
 
     async def _replicate(self, ino: int, keys: list[bytes], copies: int, *, avoid: set[str] | None = None) -> list[str]:
         """Put ``keys`` on ``copies`` more nodes; returns the holders (this node first)."""
