@@ -24,7 +24,7 @@ import collections
 import logging
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 
@@ -65,6 +65,15 @@ def _key(text) -> bytes:
     return key
 
 
+@dataclass
+class _PendingPlan:
+    """A grouped read's round plan not answered yet."""
+
+    deadline: float  # reads of the file wait for it until then: CLUSTER_READ_WAIT_S after open, not per chunk
+    event: trio.Event = field(default_factory=trio.Event)  # set when the answer (or its failure) is in
+    skew_spent: bool = False  # a chunk request already waited CLUSTER_CHAIN_PLAN_SKEW_S for it
+
+
 @dataclass(frozen=True)
 class _Link:
     """This node's place in the read chain of one chunk."""
@@ -98,11 +107,7 @@ class ClusterNode:
         # Grouped reads: rounds joined (ino, version), a reader waiting for a round's
         # plan, and this node's place in the chains of planned rounds
         self._read_rounds: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
-        self._read_planned: dict[int, trio.Event] = {}
-        # when reads of a file stop waiting for its pending plan: once per
-        # open, not per chunk (sequential reads each waited the full bound)
-        self._read_deadline: dict[int, float] = {}
-        self._skew_spent: set[int] = set()  # pending plans a chunk request already waited the skew for
+        self._read_planned: dict[int, _PendingPlan] = {}
         self._chain: dict[bytes, _Link] = {}
         self._unreachable: dict[str, float] = {}  # peer -> when connecting to it last failed
         self._nursery = None
@@ -228,7 +233,7 @@ class ClusterNode:
             self.stats["chunks_served"] += 1
             return await self.pool.spill.read(key)
         link = self._chain.get(key)
-        pending = [ino for ino in self._read_planned if ino not in self._skew_spent]
+        pending = [p for p in self._read_planned.values() if not p.skew_spent]
         if link is None and pending:
             # A chain successor may ask before our own copy of the plan is in:
             # the round's answers reach its readers within the skew of each
@@ -238,12 +243,11 @@ class ClusterNode:
             # asked for (holders' DRAM lookups of a short round's readers
             # each waited the full skew).
             with trio.move_on_after(CLUSTER_CHAIN_PLAN_SKEW_S) as scope:
-                for ino in pending:
-                    event = self._read_planned.get(ino)
-                    if event is not None:
-                        await event.wait()
+                for plan in pending:
+                    await plan.event.wait()
             if scope.cancelled_caught:
-                self._skew_spent.update(ino for ino in pending if ino in self._read_planned)
+                for plan in pending:
+                    plan.skew_spent = True
             link = self._chain.get(key)
         if link is not None and self.fs is not None and peer.node in link.downstream:
             # Further down one of our read chains: wait until we have it (fetching
@@ -442,8 +446,7 @@ class ClusterNode:
         self._read_rounds[round_key] = None
         while len(self._read_rounds) > CLUSTER_READ_ROUNDS_KEPT:
             self._read_rounds.popitem(last=False)
-        self._read_planned.setdefault(request.ino, trio.Event())
-        self._read_deadline.setdefault(request.ino, trio.current_time() + CLUSTER_READ_WAIT_S)
+        self._read_planned.setdefault(request.ino, _PendingPlan(trio.current_time() + CLUSTER_READ_WAIT_S))
         self._nursery.start_soon(self._read_round, request)
 
     async def _read_round(self, request: ReadRequest) -> None:
@@ -469,11 +472,9 @@ class ClusterNode:
                 except (AttributeError, IndexError, TypeError, ValueError) as exc:
                     log.error("malformed read plan for %s from the controller: %r", request.path, exc)
         finally:
-            event = self._read_planned.pop(request.ino, None)
-            self._read_deadline.pop(request.ino, None)
-            self._skew_spent.discard(request.ino)
-            if event is not None:
-                event.set()
+            plan = self._read_planned.pop(request.ino, None)
+            if plan is not None:
+                plan.event.set()
         if not mine:
             return
         try:  # whole-file prefetch along the chains: readers then find every chunk in the pool
@@ -502,8 +503,8 @@ class ClusterNode:
     async def round_fetch(self, ino: int, key: bytes) -> bytes | None:
         planned = self._read_planned.get(ino)
         if planned is not None:
-            with trio.move_on_at(self._read_deadline.get(ino, trio.current_time() + CLUSTER_READ_WAIT_S)):
-                await planned.wait()
+            with trio.move_on_at(planned.deadline):
+                await planned.event.wait()
         link = self._chain.get(key)
         if link is None or link.ino != ino or not link.upstream:
             return None  # not in a round of this file, or we are the chain's head: the usual path
