@@ -295,18 +295,19 @@ def controller_actions() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from ._config import check
+    from ._config import controller_actions as actions
 
     p, ct = _parser()
     args = p.parse_args(argv)
     if args.cmd == "config":
-        return check(args.file, controller_actions(), sys.stdout, sys.stderr)
+        return check(args.file, actions(ct), sys.stdout, sys.stderr)
     if args.cmd == "controller" and args.config:
         # the file's [controller] table becomes the defaults, so flags given still win
         from .._errors import AiturboError
         from ._config import load_config
 
         try:
-            ct.set_defaults(**load_config(args.config, controller_actions()).controller)
+            ct.set_defaults(**load_config(args.config, actions(ct)).controller)
         except AiturboError as exc:
             for line in str(exc).splitlines():
                 print(f"aiturbo controller: {line}", file=sys.stderr)
