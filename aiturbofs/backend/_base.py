@@ -23,8 +23,6 @@ from typing import Any, TypeVar
 
 import trio
 
-from .._threads import background
-
 from .._errors import (
     BackendError,
     BackendNotFound,
@@ -40,6 +38,7 @@ from .._limits import (
     PATH_BYTES_MAX,
     UPLOAD_TOKEN_BYTES_MAX,
 )
+from .._threads import background
 
 # Hidden names of half-written uploads: no listing ever shows them, and no
 # key may use them, so a user file can never collide with one.
@@ -180,8 +179,8 @@ def parse_token(token: str, kind: str, key: str, part_bytes: int, *names: str) -
         fields = json.loads(token)
         if not isinstance(fields, dict) or fields.get("kind") != kind:
             raise ValueError(f"not a token of a {kind}:// upload")
-        values = [fields.get(name) for name in names]
-        if not all(isinstance(value, str) and value for value in values):
+        values = [value for name in names if isinstance(value := fields.get(name), str) and value]
+        if len(values) != len(names):
             raise ValueError(f"want non-empty strings {', '.join(names)}")
     except ValueError as e:  # json.JSONDecodeError included
         raise InvalidArgument(f"bad upload token for {key!r}: {e}") from None
@@ -208,15 +207,15 @@ async def run_sync(
     what: str,
     fn: Callable[..., T],
     *args: Any,
-    cancellable: bool = True,
+    abandon_on_cancel: bool = True,
 ) -> T:
     """Run blocking ``fn(*args)`` in a worker thread behind ``limiter``.
 
     Raises ``TransientBackendError`` when ``timeout_s`` passes (waiting for a
-    thread slot counts), and whatever ``fn`` raises.  A cancellable call is
+    thread slot counts), and whatever ``fn`` raises.  A call with ``abandon_on_cancel`` is
     abandoned on timeout or cancellation: the thread keeps its limiter slot
     until it really ends, and its result is dropped.  Calls that write from a
-    caller's buffer or into shared file state pass ``cancellable=False``: the
+    caller's buffer or into shared file state pass ``abandon_on_cancel=False``: the
     kernel cannot stop them anyway, and abandoning one would let a stale
     write land after the caller re-sent the part.  Such a call returns only
     when the thread is done, so the deadline then bounds only the wait for a
@@ -224,7 +223,7 @@ async def run_sync(
     """
     try:
         with trio.fail_after(timeout_s):
-            return await trio.to_thread.run_sync(background, fn, *args, limiter=limiter, cancellable=cancellable)
+            return await trio.to_thread.run_sync(background, fn, *args, limiter=limiter, abandon_on_cancel=abandon_on_cancel)
     except trio.TooSlowError:
         raise TransientBackendError(f"{what}: no answer within {timeout_s:g} s") from None
 
@@ -462,7 +461,7 @@ class Backend(ABC):
 
     @classmethod
     @abstractmethod
-    async def open(cls, url: str, options: dict[str, Any]) -> "Backend":
+    async def open(cls, url: str, options: dict[str, Any]) -> Backend:
         """Connect to ``url``; raise ``ConfigError`` or ``BackendError`` if it cannot be used."""
 
     @abstractmethod
@@ -546,7 +545,7 @@ class Backend(ABC):
     async def remove_dir(self, key: str) -> None:
         """Remove directory ``key`` if it exists and is empty; otherwise do nothing."""
 
-    async def aclose(self) -> None:
+    async def aclose(self) -> None:  # noqa: B027 (a hook: a backend holding no connection keeps it)
         """Release connections; the backend must not be used afterwards."""
 
     # -- helpers for implementations --

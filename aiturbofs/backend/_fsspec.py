@@ -88,7 +88,7 @@ class FsspecBackend(Backend):
         self._limiter = trio.CapacityLimiter(BACKEND_THREADS_MAX)
 
     @classmethod
-    async def open(cls, url: str, options: dict[str, Any]) -> "FsspecBackend":
+    async def open(cls, url: str, options: dict[str, Any]) -> FsspecBackend:
         """Make the filesystem and its root directory.
 
         Raises ``ConfigError`` for an unknown protocol, a missing package
@@ -118,9 +118,9 @@ class FsspecBackend(Backend):
             raise ValueError(f"read_range({key!r}, {offset}, {length}): negative")
         return await self._run(f"read {key!r}", self._fs.cat_file, self._path(key), offset, offset + length)
 
-    async def _open_upload(self, key: str, part_bytes: int) -> "FsspecUpload":
+    async def _open_upload(self, key: str, part_bytes: int) -> FsspecUpload:
         fd, tmp_path = await self._run(
-            f"start upload of {key!r}", tempfile.mkstemp, None, UPLOAD_TEMP_PREFIX, self._tmp_dir, cancellable=False
+            f"start upload of {key!r}", tempfile.mkstemp, None, UPLOAD_TEMP_PREFIX, self._tmp_dir, abandon_on_cancel=False
         )
         return FsspecUpload(self, key, part_bytes, tmp_path, fd)
 
@@ -155,9 +155,9 @@ class FsspecBackend(Backend):
     def _path(self, key: str) -> str:
         return f"{self._root}/{key}" if key else self._root
 
-    async def _run(self, what: str, fn, *args, cancellable: bool = True):
+    async def _run(self, what: str, fn, *args, abandon_on_cancel: bool = True):
         with _mapped(what):
-            return await run_sync(self._limiter, self._timeout_s, what, fn, *args, cancellable=cancellable)
+            return await run_sync(self._limiter, self._timeout_s, what, fn, *args, abandon_on_cancel=abandon_on_cancel)
 
     def _object_info(self, key: str, entry: dict[str, Any]) -> ObjectInfo:
         if entry.get("type") == "directory":
@@ -232,7 +232,7 @@ class FsspecUpload(Upload):
     async def _write_part(self, index: int, data: Buffer) -> None:
         # Not cancellable: a write given up on must not land after a re-send.
         await self._backend._run(
-            f"write part {index} of {self.key!r}", pwrite_all, self._fd, data, index * self.part_bytes, cancellable=False
+            f"write part {index} of {self.key!r}", pwrite_all, self._fd, data, index * self.part_bytes, abandon_on_cancel=False
         )
 
     async def _copy_part(self, index: int, src_key: str, offset: int, length: int, if_etag: str | None) -> None:
@@ -249,18 +249,19 @@ class FsspecUpload(Upload):
         await self._write_part(index, data)
 
     async def _complete(self, size: int, part_count: int) -> ObjectInfo:
-        await self._backend._run(f"publish {self.key!r}", self._publish_sync, size, cancellable=False)
+        await self._backend._run(f"publish {self.key!r}", self._publish_sync, size, abandon_on_cancel=False)
         info = await self._backend.stat(self.key)
         if info is None or info.size != size:
             raise BackendError(f"publish {self.key!r}: expected {size} bytes, the filesystem has {info}")
         return info
 
     async def _abort(self) -> None:
-        await self._backend._run(f"abort upload of {self.key!r}", self._abort_sync, cancellable=False)
+        await self._backend._run(f"abort upload of {self.key!r}", self._abort_sync, abandon_on_cancel=False)
 
     def _publish_sync(self, size: int) -> None:
         if self._published:
             return
+        assert self._fd is not None  # closed only once published, or by abort (which ends the upload)
         os.ftruncate(self._fd, size)  # also drops the tail of a longer earlier last part
         fs, path = self._backend._fs, self._backend._path(self.key)
         fs.makedirs(self._backend._path(parent_key(self.key)), exist_ok=True)

@@ -100,7 +100,7 @@ class LocalBackend(Backend):
         self._limiter = trio.CapacityLimiter(BACKEND_THREADS_MAX)
 
     @classmethod
-    async def open(cls, url: str, options: dict[str, Any]) -> "LocalBackend":
+    async def open(cls, url: str, options: dict[str, Any]) -> LocalBackend:
         """Use (or create, mode 0o755, if its parent exists) the root directory.
 
         Raises ``ConfigError`` for a bad option, ``BackendError`` if the root
@@ -125,12 +125,12 @@ class LocalBackend(Backend):
             raise ValueError(f"read_range({key!r}, {offset}, {length}): negative")
         return await self._run(f"read {key!r}", _pread_sync, self._path(key), offset, length)
 
-    async def _open_upload(self, key: str, part_bytes: int) -> "LocalUpload":
+    async def _open_upload(self, key: str, part_bytes: int) -> LocalUpload:
         path = self._path(key)
         nonce = secrets.token_hex(_TEMP_NONCE_BYTES)
         # Not cancellable: an abandoned create would leak the fd and the temp file.
         tmp_path, fd = await self._run(f"start upload of {key!r}", _create_temp_sync, path, nonce, self._root,
-                                       cancellable=False)
+                                       abandon_on_cancel=False)
         return LocalUpload(self, key, part_bytes, path, tmp_path, fd, nonce)
 
     async def _write_remote_part(self, key: str, token: str, index: int, data: Buffer, part_bytes: int) -> str:
@@ -140,7 +140,7 @@ class LocalBackend(Backend):
         path = self._path(key)
         tmp_path = os.path.join(os.path.dirname(path), _temp_name(os.path.basename(path), nonce))
         what = f"write remote part {index} of {key!r}"
-        await self._run(what, _write_remote_sync, tmp_path, data, index * part_bytes, cancellable=False)
+        await self._run(what, _write_remote_sync, tmp_path, data, index * part_bytes, abandon_on_cancel=False)
         return str(len(data))  # the receipt: add_remote_part checks it against the length
 
     async def move(self, src: str, dst: str) -> None:
@@ -170,9 +170,9 @@ class LocalBackend(Backend):
     def _path(self, key: str) -> str:
         return os.path.join(self._root, key) if key else self._root
 
-    async def _run(self, what: str, fn, *args, cancellable: bool = True):
+    async def _run(self, what: str, fn, *args, abandon_on_cancel: bool = True):
         with _mapped(what):
-            return await run_sync(self._limiter, self._timeout_s, what, fn, *args, cancellable=cancellable)
+            return await run_sync(self._limiter, self._timeout_s, what, fn, *args, abandon_on_cancel=abandon_on_cancel)
 
 
 class LocalUpload(Upload):
@@ -204,7 +204,7 @@ class LocalUpload(Upload):
             self._fd,
             data,
             index * self.part_bytes,
-            cancellable=False,
+            abandon_on_cancel=False,
         )
 
     async def _copy_part(self, index: int, src_key: str, offset: int, length: int, if_etag: str | None) -> None:
@@ -212,7 +212,7 @@ class LocalUpload(Upload):
         src_path = self._backend._path(src_key)
         dst_offset = index * self.part_bytes
         etag, copied = await self._backend._run(
-            what, _copy_range_sync, src_path, self._fd, offset, dst_offset, length, if_etag, cancellable=False
+            what, _copy_range_sync, src_path, self._fd, offset, dst_offset, length, if_etag, abandon_on_cancel=False
         )
         if if_etag is not None and etag != if_etag:
             raise SourceChanged(f"{what}: the source's etag is {etag}, not {if_etag}")
@@ -229,25 +229,29 @@ class LocalUpload(Upload):
             raise InvalidArgument(f"part {index} of {self.key!r}: receipt {receipt!r:.100} is not for {length} bytes")
 
     async def _complete(self, size: int, part_count: int) -> ObjectInfo:
-        st = await self._backend._run(f"publish {self.key!r}", self._publish_sync, size, cancellable=False)
-        return _info(self.key, st)
+        st = await self._backend._run(f"publish {self.key!r}", self._publish_sync, size, abandon_on_cancel=False)
+        info = _info(self.key, st)
+        assert info is not None  # what we published is a regular file
+        return info
 
     async def _abort(self) -> None:
-        await self._backend._run(f"abort upload of {self.key!r}", self._abort_sync, cancellable=False)
+        await self._backend._run(f"abort upload of {self.key!r}", self._abort_sync, abandon_on_cancel=False)
 
     def _publish_sync(self, size: int) -> os.stat_result:
         # Steps already done by an earlier attempt that failed later are skipped,
         # so complete() can be retried.
         if not self._published:
+            fd = self._fd
+            assert fd is not None  # closed only once published, or by abort (which ends the upload)
             if self._shared:
-                fcntl.flock(self._fd, fcntl.LOCK_EX)  # waits for remote writes in flight
+                fcntl.flock(fd, fcntl.LOCK_EX)  # waits for remote writes in flight
             try:
-                os.ftruncate(self._fd, size)  # also drops the tail of a longer earlier last part
-                os.fsync(self._fd)
+                os.ftruncate(fd, size)  # also drops the tail of a longer earlier last part
+                os.fsync(fd)
                 os.replace(self._tmp_path, self._path)
             except BaseException:
                 if self._shared:
-                    fcntl.flock(self._fd, fcntl.LOCK_UN)  # remote re-sends may come before the retry
+                    fcntl.flock(fd, fcntl.LOCK_UN)  # remote re-sends may come before the retry
                 raise
             self._published = True
         _fsync_dir(os.path.dirname(self._path))

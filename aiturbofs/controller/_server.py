@@ -31,6 +31,7 @@ from .._limits import (
     ROUND_WINDOW_S,
     STATUS_SUMMARY_BYTES_MAX,
 )
+from .._nursery import open_nursery
 from ..fabric import PeerInfo, TcpTransport, load_secret
 from ..meta import NODE_ALIVE as ALIVE
 from ..meta import NODE_DEAD as DEAD
@@ -60,8 +61,11 @@ class _Node:
 
 def _spec(info: dict) -> NodeSpec:
     """A node's planner figures from a join body or a stored info; ``InvalidArgument`` if malformed."""
-    vals = [info.get(k) for k in _SPEC_FIELDS]
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in vals):
+    vals = [
+        v for k in _SPEC_FIELDS
+        if isinstance(v := info.get(k), (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+    ]
+    if len(vals) != len(_SPEC_FIELDS):
         raise InvalidArgument(f"join: {', '.join(_SPEC_FIELDS)} must be numbers >= 0 (bytes/s, bytes)")
     return NodeSpec(float(vals[0]), float(vals[1]), float(vals[2]), int(vals[3]))
 
@@ -90,7 +94,7 @@ class ControllerServer:
     async def run(self, transport, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Load the membership, serve on ``transport``; ``task_status.started(address)``; runs until cancelled."""
         await self._load()
-        async with trio.open_nursery() as nursery:
+        async with open_nursery() as nursery:
             address = await nursery.start(transport.serve, self)
             nursery.start_soon(self._reap)
             task_status.started(address)
@@ -209,10 +213,10 @@ async def run_controller(listen: str, meta_url: str, secret_path: str, *, backen
     anything is served); ``task_status.started(address)`` once nodes can
     connect.  Call it from the main thread (it takes over SIGTERM and SIGINT).
     """
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
+    host, sep, port_text = listen.rpartition(":")
+    if not sep or not port_text.isdigit() or int(port_text) > 65535:
         raise ConfigError(f"controller address {listen!r}: want HOST:PORT ([v6addr]:PORT; port 0: any free port)")
-    host, port = host.removeprefix("[").removesuffix("]"), int(port)
+    host, port = host.removeprefix("[").removesuffix("]"), int(port_text)
     secret = load_secret(secret_path)
     if not (backend_gbps > 0 and math.isfinite(backend_gbps)):
         raise ConfigError(f"backend bandwidth must be a positive number of Gbit/s, not {backend_gbps}")
@@ -224,7 +228,7 @@ async def run_controller(listen: str, meta_url: str, secret_path: str, *, backen
         server = ControllerServer(meta, backend_bw=backend_gbps * 1e9 / 8, plan=plan)
         transport = TcpTransport(CONTROLLER_NODE, secret, host=host, port=port,
                                  in_flight_max=CONTROLLER_REQUESTS_PER_PEER_MAX)
-        async with transport, trio.open_nursery() as nursery:
+        async with transport, open_nursery() as nursery:
             address = await nursery.start(server.run, transport)
             if metrics is not None:
                 await nursery.start(metrics, server)

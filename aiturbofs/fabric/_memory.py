@@ -16,6 +16,7 @@ import trio.testing
 
 from .._errors import PeerBroken
 from .._limits import FABRIC_ACCEPT_BACKLOG, FABRIC_IN_FLIGHT_MAX
+from .._nursery import open_nursery
 from ._protocol import StreamTransport
 from ._streams import StreamHandler
 
@@ -64,7 +65,7 @@ class MemoryTransport(StreamTransport):
     async def _serve_streams(self, handle: StreamHandler, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         address, incoming = self._network._listen()
         try:
-            async with trio.open_nursery() as nursery:
+            async with open_nursery() as nursery:
                 task_status.started(address)
                 async for stream, client in incoming:
                     nursery.start_soon(handle, stream, client)

@@ -23,12 +23,14 @@ from .._limits import (
     FABRIC_HASH_THREADS_MAX,
     FABRIC_IN_FLIGHT_MAX,
 )
+from .._nursery import open_nursery
 from ._auth import client_handshake, server_handshake
 from ._base import ChunkHandler, Peer, PeerInfo, Transport
 from ._client import StreamPeer
 from ._server import ServerSession
 from ._streams import StreamHandler, log, send_error, stream_errors
 from ._wire import FrameReader
+
 
 class StreamTransport(Transport):
     """A transport whose connections are trio byte streams."""
@@ -62,10 +64,11 @@ class StreamTransport(Transport):
     async def __aenter__(self) -> StreamTransport:
         assert self._stack is None, "a transport is entered once"
         self._stack = AsyncExitStack()
-        self._nursery = await self._stack.enter_async_context(trio.open_nursery())
+        self._nursery = await self._stack.enter_async_context(open_nursery())
         return self
 
     async def __aexit__(self, *exc) -> bool | None:
+        assert self._stack is not None, "__aexit__ without __aenter__"
         await self.aclose()
         return await self._stack.__aexit__(*exc)
 
@@ -103,7 +106,7 @@ class StreamTransport(Transport):
         async def handle(stream: trio.abc.Stream, address: str) -> None:
             await self._serve_connection(handler, stream, address)
 
-        async with trio.open_nursery() as nursery:
+        async with open_nursery() as nursery:
             address = await nursery.start(self._serve_streams, handle)
             log.info("fabric: %s transport of node %r serving on %s", self.kind, self.node, address)
             task_status.started(address)

@@ -14,9 +14,20 @@ import trio
 
 from .._errors import AiturboError, IntegrityError, InvalidArgument, NotSupported, PeerBroken
 from .._limits import CHUNK_BYTES, FABRIC_SEND_TIMEOUT_S
+from .._nursery import open_nursery
 from ._base import ChunkHandler, PeerCounters, PeerInfo
 from ._streams import log, send_error, stream_errors, verify_chunk
-from ._wire import EXTENSIONS, REQUESTS, Frame, FrameReader, FrameType, decode_json, encode_json, encode_message, send_frame
+from ._wire import (
+    EXTENSIONS,
+    REQUESTS,
+    Frame,
+    FrameReader,
+    FrameType,
+    decode_json,
+    encode_json,
+    encode_message,
+    send_frame,
+)
 
 if TYPE_CHECKING:  # a cycle at run time: the transport creates these
     from ._protocol import StreamTransport
@@ -48,7 +59,7 @@ class ServerSession:
 
     async def run(self) -> None:
         """Serve until the client hangs up or breaks the protocol (then logged, never raised)."""
-        async with trio.open_nursery() as nursery:
+        async with open_nursery() as nursery:
             try:
                 while True:
                     await self._slots.acquire()  # backpressure: no reading while all slots are busy

@@ -25,6 +25,7 @@ import logging
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import Any, Literal, TypedDict
 
 import trio
 
@@ -36,18 +37,19 @@ from .._limits import (
     CLUSTER_HOLD_PENDING_S,
     CLUSTER_PREFETCH_IN_FLIGHT,
     CLUSTER_READ_PLAN_WAIT_S,
-    CLUSTER_READ_WAIT_S,
     CLUSTER_READ_ROUNDS_KEPT,
-    CLUSTER_UNREACHABLE_RETRY_S,
+    CLUSTER_READ_WAIT_S,
     CLUSTER_RECONNECT_S,
     CLUSTER_REPORT_TIMEOUT_S,
     CLUSTER_TAKEOVER_PERIOD_S,
+    CLUSTER_UNREACHABLE_RETRY_S,
     FABRIC_CALL_TIMEOUT_S,
     HASH_BYTES,
 )
-from ..fabric import PeerInfo, Transport, format_address, parse_address
+from .._nursery import open_nursery
+from ..fabric import Peer, PeerInfo, Transport, format_address, parse_address
 from ..meta import NODE_ALIVE, NODE_DEAD, STATE_BROKEN, STATE_DURABLE
-from ..vfs import CopySource, PersistHints, ReadRequest, Staged, StageRequest
+from ..vfs import CopySource, Filesystem, PersistHints, ReadRequest, Staged, StageRequest
 
 log = logging.getLogger("aiturbofs.cluster")
 
@@ -63,6 +65,30 @@ def _key(text) -> bytes:
     if len(key) != HASH_BYTES:
         raise InvalidArgument(f"bad chunk key {text!r}")
     return key
+
+
+class _Stats(TypedDict):
+    """``ClusterNode.stats``: counters, and the figures of the last round plans."""
+
+    rounds: int
+    rounds_failed: int
+    chunks_replicated: int
+    bytes_replicated: int
+    chunks_received: int
+    chunks_served: int
+    chunks_fetched: int
+    last_plan: dict[str, Any] | None
+    read_rounds: int
+    chunks_from_chain: int
+    chunks_prefetched: int
+    last_read_plan: dict[str, Any] | None
+    round_wait_s_total: float
+    plan_s_total: float
+    round_bytes_total: int
+    round_unique_bytes_total: int
+
+
+_Failed = list[tuple[str, list[bytes]]]  # (target node, the chunks it did not take)
 
 
 @dataclass
@@ -95,13 +121,13 @@ class ClusterNode:
         self.pool = pool
         self.transport = transport
         self.bandwidths = {"send_bw": send_bw, "recv_bw": recv_bw, "snic_bw": snic_bw}
-        self.fs = None  # set by the daemon once the Filesystem exists
+        self.fs: Filesystem | None = None  # set by the daemon once the Filesystem exists
         self.address: str | None = None  # where peers reach our fabric endpoint
         self.members: dict[str, str] = {}  # live node -> fabric address (from the metadata)
         self.dead: set[str] = set()
-        self._peers: dict[str, object] = {}
+        self._peers: dict[str, Peer] = {}
         self._peer_locks: dict[str, trio.Lock] = {}
-        self._controller = None  # Peer, while the session is up
+        self._controller: Peer | None = None  # while the session is up
         self._holds: dict[int, set[bytes]] = {}  # inode -> replica chunks pinned here for it
         self._pending: dict[bytes, list[float]] = {}  # received chunks no hold claimed yet
         # Grouped reads: rounds joined (ino, version), a reader waiting for a round's
@@ -110,8 +136,8 @@ class ClusterNode:
         self._read_planned: dict[int, _PendingPlan] = {}
         self._chain: dict[bytes, _Link] = {}
         self._unreachable: dict[str, float] = {}  # peer -> when connecting to it last failed
-        self._nursery = None
-        self.stats = {
+        self._nursery: trio.Nursery | None = None
+        self.stats: _Stats = {
             "rounds": 0, "rounds_failed": 0, "chunks_replicated": 0, "bytes_replicated": 0,
             "chunks_received": 0, "chunks_served": 0, "chunks_fetched": 0, "last_plan": None,
             "read_rounds": 0, "chunks_from_chain": 0, "chunks_prefetched": 0, "last_read_plan": None,
@@ -121,7 +147,7 @@ class ClusterNode:
 
     # ============================================================ lifecycle
     async def run(self, listen: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
+        async with open_nursery() as nursery:
             self._nursery = nursery
             address = await nursery.start(self.transport.serve, self)
             host, port = parse_address(address)
@@ -152,11 +178,13 @@ class ClusterNode:
 
     async def _controller_session(self) -> None:
         """Join, then heartbeat; re-join after any failure (controller restart)."""
+        address = self.controller_address
+        assert address is not None  # run() starts the session only with a controller
         down_since = None
         while True:
             peer = None
             try:
-                peer = await self.transport.connect(self.controller_address)
+                peer = await self.transport.connect(address)
                 reply = await peer.control({"op": "join", "node": self.node, "fabric": self.address,
                                             "dram_free": self._dram_free(), **self.bandwidths})
                 if not reply.get("ok"):
@@ -331,7 +359,9 @@ class ClusterNode:
     async def fetch(self, key: bytes, holders: list[str]) -> bytes | None:
         return await self._first_having(key, holders, "chunks_fetched")
 
-    async def _first_having(self, key: bytes, names, counter: str) -> bytes | None:
+    async def _first_having(
+        self, key: bytes, names, counter: Literal["chunks_fetched", "chunks_from_chain"]
+    ) -> bytes | None:
         """Chunk ``key`` from the first of ``names`` (live peers, in order) that has it; counted in ``stats[counter]``."""
         for name in names:
             if name == self.node or name in self.dead:
@@ -370,8 +400,8 @@ class ClusterNode:
         holders = [str(h) for h in reply.get("holders", [])] or [self.node]
         if self.node not in holders:
             holders.insert(0, self.node)
-        failed = []
-        async with trio.open_nursery() as nursery:
+        failed: _Failed = []
+        async with open_nursery() as nursery:
             for dst, dst_keys in by_dst.items():
                 nursery.start_soon(self._put_all, request.ino, dst, dst_keys, failed)
         for dst, dst_keys in failed:  # a planned target failed: place those chunks elsewhere
@@ -420,9 +450,11 @@ class ClusterNode:
                 continue
             # A connection of its own: reports wait for their round, and must
             # not take the slots the session's heartbeats need.
+            address = self.controller_address
+            assert address is not None  # a controller session is up
             try:
                 with trio.fail_after(max(0.1, deadline - trio.current_time())):
-                    async with await self.transport.connect(self.controller_address) as peer:
+                    async with await self.transport.connect(address) as peer:
                         reply = await peer.control(body, timeout=max(0.1, deadline - trio.current_time()))
             except (PeerBroken, PeerClosed, AuthFailed, trio.TooSlowError) as exc:
                 log.info("report of %s: %s; reporting again", path, exc or "timed out")
@@ -479,7 +511,7 @@ class ClusterNode:
             return
         try:  # whole-file prefetch along the chains: readers then find every chunk in the pool
             limiter = trio.Semaphore(CLUSTER_PREFETCH_IN_FLIGHT)
-            async with trio.open_nursery() as nursery:
+            async with open_nursery() as nursery:
                 for key, index, length in mine:
                     await limiter.acquire()
                     nursery.start_soon(self._prefetch, request.ino, key, index, length, limiter)
@@ -493,7 +525,9 @@ class ClusterNode:
     async def _prefetch(self, ino: int, key: bytes, index: int, length: int, limiter) -> None:
         try:
             if self.pool.view(key) is None:
-                await self.pool.read(key, lambda: self.fs.persister.fetch_chunk(ino, index, key, length))
+                fs = self.fs
+                assert fs is not None  # grouped reads come from the Filesystem: it is set
+                await self.pool.read(key, lambda: fs.persister.fetch_chunk(ino, index, key, length))
                 self.stats["chunks_prefetched"] += 1
         except AiturboError as exc:
             log.info("prefetch of chunk %d of inode %d failed (%s); the reader fetches it itself", index, ino, exc)
@@ -530,7 +564,7 @@ class ClusterNode:
         for name in self._candidates(ino, (avoid or set()) | {self.node}):
             if len(holders) > copies:
                 break
-            failed = []
+            failed: _Failed = []
             await self._put_all(ino, name, wanted, failed)
             if not failed:
                 holders.append(name)
@@ -538,7 +572,7 @@ class ClusterNode:
             log.warning("replicas_short ino=%d placed=%d wanted=%d (too few live nodes answer)", ino, len(holders), copies + 1)
         return holders
 
-    async def _put_all(self, ino: int, dst: str, keys: list[bytes], failed: list) -> None:
+    async def _put_all(self, ino: int, dst: str, keys: list[bytes], failed: _Failed) -> None:
         """Put ``keys`` on ``dst`` and have it hold them for ``ino``; on failure append (dst, keys)."""
         limiter = trio.Semaphore(PUTS_IN_FLIGHT_PER_PEER)
         errors = []
@@ -558,7 +592,7 @@ class ClusterNode:
 
         try:
             peer = await self._peer(dst)
-            async with trio.open_nursery() as nursery:
+            async with open_nursery() as nursery:
                 for key in keys:
                     await limiter.acquire()
                     nursery.start_soon(put, peer, key)

@@ -27,6 +27,7 @@ from .._limits import (
     METRICS_NODE_ADDRESS_DEFAULT,
     READ_AHEAD_KB,
 )
+from .._nursery import open_nursery
 from ..controller import EmbeddedController
 from ..fabric import load_secret, open_transport, parse_address
 from ..fuse import Operations
@@ -122,6 +123,11 @@ def _tune_malloc() -> None:
     libc.mallopt(M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD_BYTES)
 
 
+def _one_line(exc: BaseException) -> str:
+    """``exc``'s message as the one line mount(8) prints (a driver's text may span lines)."""
+    return " ".join(str(exc).split())
+
+
 def run_node(cfg: NodeConfig, ready_fd: int | None = None) -> int:
     """Run the daemon until unmounted; returns the process exit code."""
     _tune_malloc()
@@ -133,13 +139,13 @@ def run_node(cfg: NodeConfig, ready_fd: int | None = None) -> int:
         lock_fd = _lock_state_dir(state_dir)
     except AiturboError as exc:
         log.error("%s", exc)
-        ready.send(f"ERR {exc}")
+        ready.send(f"ERR {_one_line(exc)}")
         return 32
     try:
         return trio.run(_main, cfg, state_dir, ready)
     except AiturboError as exc:
-        log.error("mount failed: %s", exc)
-        ready.send(f"ERR {exc}")
+        log.error("mount failed: %s", _one_line(exc))
+        ready.send(f"ERR {_one_line(exc)}")
         return 32
     finally:
         os.close(lock_fd)
@@ -149,6 +155,7 @@ def _cluster_node(cfg: NodeConfig, meta, pool) -> ClusterNode | None:
     """Cluster mode (``fabric=``): this node's fabric endpoint and controller session."""
     if not cfg.cluster:
         return None
+    assert cfg.fabric is not None and cfg.secret_file is not None  # cluster mode: the options require secret_file=
     secret = load_secret(cfg.secret_file)
     host, port = parse_address(cfg.fabric)
     transport = open_transport(cfg.transport, cfg.node, secret, host=host, port=port)
@@ -183,7 +190,7 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
     ops = Operations(fs, debug_faults=cfg.debug_faults)
     started = time.time()
     exit_code = 0
-    async with trio.open_nursery() as nursery:
+    async with open_nursery() as nursery:
         if cluster is not None:
             cluster.fs = fs
             await nursery.start(cluster.run, cfg.fabric)

@@ -32,8 +32,16 @@ import trio
 
 from .. import chunk
 from .._errors import (
-    AiturboError, BackendError, BackendNotFound, IntegrityError, NotFound, NotSupported, PeerBroken, PeerClosed,
-    RemoteError, TransientBackendError,
+    AiturboError,
+    BackendError,
+    BackendNotFound,
+    IntegrityError,
+    NotFound,
+    NotSupported,
+    PeerBroken,
+    PeerClosed,
+    RemoteError,
+    TransientBackendError,
 )
 from .._limits import (
     CHUNK_BYTES,
@@ -43,12 +51,14 @@ from .._limits import (
     PERSIST_BACKOFF_JITTER,
     PERSIST_BACKOFF_MAX_S,
     PERSIST_FILES_IN_FLIGHT,
+    PERSIST_PARTS_IN_FLIGHT,
+    PERSIST_PARTS_UNPOOLED_MAX,
     PERSIST_SPARE_FILES_MAX,
     READ_RETRY_ATTEMPTS,
     READ_RETRY_FIRST_S,
-    PERSIST_PARTS_IN_FLIGHT,
-    PERSIST_PARTS_UNPOOLED_MAX,
 )
+from .._nursery import open_nursery
+from ..backend import ObjectInfo
 from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED
 from ._cluster import CopySource, PersistHints
 
@@ -67,30 +77,6 @@ ASIDE_PREFIX = ".aiturbo-aside."
 # in the way: a renamed directory not yet emptied, or one not yet removed.
 # That clears once the other files have moved, so the file waits (_defer).
 _CONFLICT_ERRNOS = frozenset({errno.EISDIR, errno.ENOTEMPTY, errno.ENOTDIR, errno.EEXIST})
-
-
-def _one_error(group: BaseExceptionGroup) -> BaseException:
-    """The one error a failed multi-part upload stands for.
-
-    An outage fails every part in flight at once, and the nursery then
-    raises an exception group, which ``_persist_with_retry`` (catching
-    ``TransientBackendError`` etc.) did not recognise: the file was neither
-    retried nor marked broken, but left ``persisting`` and out of the queue,
-    so unmount's drain called it done.  A permanent error wins over a
-    transient one; a group holding anything else (a bug, a cancellation)
-    is returned as it is.
-    """
-    leaves, stack = [], [group]
-    while stack:
-        exc = stack.pop()
-        if isinstance(exc, BaseExceptionGroup):
-            stack.extend(exc.exceptions)
-        else:
-            leaves.append(exc)
-    if not leaves or not all(isinstance(e, AiturboError) for e in leaves):
-        return group
-    permanent = [e for e in leaves if not isinstance(e, TransientBackendError)]
-    return (permanent or leaves)[0]
 
 
 class _Deferred(Exception):
@@ -207,7 +193,8 @@ class Persister:
                 entries = await self.meta.readdir(ino, offset, 512)
                 if not entries:
                     break
-                for name, row, offset in entries:
+                offset = entries[-1][2]  # readdir's cookie of the last entry: where the next batch starts
+                for name, row, _ in entries:
                     if row.state is not None:
                         self.enqueue(row.ino, moved=True)
                     elif stat.S_ISDIR(row.mode):  # not a bit test: sockets and block devices share the bit
@@ -236,7 +223,7 @@ class Persister:
         return list(self._running) + list(self._pending)
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
+        async with open_nursery() as nursery:
             self._nursery = nursery
             for _ in range(PERSIST_FILES_IN_FLIGHT):
                 nursery.start_soon(self._worker)
@@ -591,7 +578,7 @@ class Persister:
                 # target that is no longer ours is then moved like any rename.
                 if not await self._free_for(target, row.ino):
                     raise _Deferred
-                published = []
+                published: list[ObjectInfo] = []
                 await self._forget_sources(target)  # the object there is replaced
                 async with self._key_lock(target):
                     if not await self._place(lambda: self._complete(upload, row.size, published), target):
@@ -663,16 +650,10 @@ class Persister:
         # link is busy, not four parts queued on one link while the others idle.
         limiter = trio.Semaphore(PERSIST_PARTS_IN_FLIGHT * senders)
         try:
-            try:
-                async with trio.open_nursery() as nursery:
-                    for index in order:
-                        await limiter.acquire()
-                        nursery.start_soon(self._upload_part, upload, row, keys[index], index, limiter, parts)
-            except BaseExceptionGroup as group:
-                one = _one_error(group)
-                if one is group:
-                    raise
-                raise one from None
+            async with open_nursery() as nursery:  # an outage failing every part is one error (one_error)
+                for index in order:
+                    await limiter.acquire()
+                    nursery.start_soon(self._upload_part, upload, row, keys[index], index, limiter, parts)
         except BaseException:
             with trio.CancelScope(shield=True):
                 try:
