@@ -124,6 +124,16 @@ class ConfigError(AiturboError):
     errno = errno.EINVAL
 
 
+class MissingExtra(ConfigError):
+    """An option needs an optional dependency (a pip extra) that is not installed."""
+
+
+def missing_extra(what: str, extra: str, exc: ImportError) -> MissingExtra:
+    """The error for ``what`` needing the pip extra ``extra``; ``exc`` is the failed import."""
+    return MissingExtra(f"{what} needs the '{extra}' extra, which is not installed ({exc.name or exc}): "
+                        f"pip install 'aiturbofs[{extra}]'")
+
+
 class PeerBroken(AiturboError):
     """A fabric peer failed: connection lost or refused, no reply in time, or a malformed frame.
 

@@ -1,8 +1,10 @@
 """The mount helper and the ``aiturbo`` command as a user runs them."""
 
 import os
+import socket
 import subprocess
 import sys
+import sysconfig
 import time
 
 from mounting import REPO, aiturbo, is_mounted
@@ -38,6 +40,14 @@ def test_unusable_backend_fails_before_mounting(tmp_path):
     assert not is_mounted(str(mnt))
 
 
+def _wait_for_daemon_exit(mnt) -> None:
+    """Wait until the daemon serving ``mnt`` has drained and exited (umount returns before that)."""
+    deadline = time.monotonic() + 30
+    while subprocess.run(["pgrep", "-f", f"{mnt} "], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, f"the daemon of {mnt} did not exit within 30 s of umount"
+        time.sleep(0.1)
+
+
 def test_daemonizes_after_the_mount_is_ready_and_drains_at_umount(tmp_path):
     backend, mnt = tmp_path / "backend", tmp_path / "mnt"
     backend.mkdir()
@@ -53,9 +63,7 @@ def test_daemonizes_after_the_mount_is_ready_and_drains_at_umount(tmp_path):
         assert str(mnt) in status and "pool" in status
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
-    deadline = time.monotonic() + 30
-    while subprocess.run(["pgrep", "-f", f"{mnt} "], capture_output=True).returncode == 0 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _wait_for_daemon_exit(mnt)
     assert (backend / "f.bin").stat().st_size == 3 << 20
     log = (tmp_path / "s" / "aiturbo.log").read_text()
     assert "drain complete" in log
@@ -69,3 +77,84 @@ def test_second_mount_on_the_same_state_dir_is_refused(make_mount, tmp_path):
                        capture_output=True, text=True, env=ENV, timeout=60)
     assert r.returncode == 32 and "in use" in r.stderr
     assert not is_mounted(str(other))
+
+
+def _mount_fails(tmp_path, options: str) -> list[str]:
+    """Mount (daemonized, as fstab does) with ``options``; the lines it printed, given that it failed."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir(exist_ok=True)
+    r = subprocess.run([*MOUNT, f"file://{tmp_path}/backend", str(mnt), "-o", f"state_dir={tmp_path}/s,{options}"],
+                       capture_output=True, text=True, env=ENV, timeout=60)
+    try:
+        assert r.returncode == 32, r.stderr
+    finally:
+        if is_mounted(str(mnt)):
+            subprocess.run(["umount", str(mnt)], check=False)
+    assert not is_mounted(str(mnt))
+    return r.stderr.splitlines()
+
+
+def test_error_raised_inside_the_daemons_nursery_reaches_the_user(tmp_path):
+    # The metrics endpoint starts inside the daemon's root nursery: trio (0.25+)
+    # wraps its error in an ExceptionGroup, which once read "the daemon exited
+    # before mounting".  The user must get the one line that says why.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        lines = _mount_fails(tmp_path, f"metrics=127.0.0.1:{port}")
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("mount.aiturbo: metrics endpoint") and str(port) in lines[0], lines
+
+
+def test_unreachable_metadata_url_fails_the_mount_with_one_line(tmp_path):
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    lines = _mount_fails(tmp_path, f"meta=postgresql://aiturbo@127.0.0.1:{port}/db")
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("mount.aiturbo: metadata database") and "cannot connect" in lines[0], lines
+
+
+def test_an_option_needing_a_missing_extra_names_the_extra(tmp_path):
+    # A single-node install has no psycopg (the 'cluster' extra): block its import.
+    code = ("import sys; sys.modules['psycopg'] = None\n"
+            "from aiturbofs.cli.mount import main\n"
+            "sys.exit(main(sys.argv[1:]))")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run([sys.executable, "-c", code, f"file://{tmp_path}/b", str(mnt), "-f", "-o",
+                        f"state_dir={tmp_path}/s,meta=postgresql://aiturbo@127.0.0.1:9/db"],
+                       capture_output=True, text=True, env=ENV, timeout=60)
+    assert r.returncode == 32
+    assert "'cluster' extra" in r.stderr and "pip install 'aiturbofs[cluster]'" in r.stderr, r.stderr
+    code = ("import sys; sys.modules['cvxpy'] = None\n"
+            "from aiturbofs.cli.main import main\n"
+            "sys.exit(main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", code, "controller", "--listen", "127.0.0.1:0", "--meta",
+                        f"sqlite:///{tmp_path}/c.db", "--secret-file", f"{tmp_path}/secret"],
+                       capture_output=True, text=True, env=ENV, timeout=60)
+    assert r.returncode == 1 and "'cluster' extra" in r.stderr, r.stderr
+
+
+def test_installed_entry_points_mount_and_persist(tmp_path):
+    # The console scripts pip installed (what /sbin/mount.aiturbo links to), not the checkout's wrapper.
+    scripts = sysconfig.get_path("scripts")
+    mount_helper, cli = os.path.join(scripts, "mount.aiturbo"), os.path.join(scripts, "aiturbo")
+    assert os.access(mount_helper, os.X_OK) and os.access(cli, os.X_OK), scripts
+    backend, mnt = tmp_path / "backend", tmp_path / "mnt"
+    backend.mkdir()
+    mnt.mkdir()
+    r = subprocess.run([mount_helper, f"file://{backend}", str(mnt), "-o", f"state_dir={tmp_path}/s"],
+                       capture_output=True, text=True, timeout=60)
+    try:
+        assert r.returncode == 0, r.stderr
+        data = os.urandom(1 << 20)
+        (mnt / "f.bin").write_bytes(data)
+        w = subprocess.run([cli, "wait", str(mnt / "f.bin")], capture_output=True, text=True, timeout=60)
+        assert w.returncode == 0, w.stderr
+        assert (backend / "f.bin").read_bytes() == data
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+    assert not is_mounted(str(mnt))
+    _wait_for_daemon_exit(mnt)

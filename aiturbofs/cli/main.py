@@ -23,6 +23,7 @@ from .._limits import (
     STATUS_LIST_MAX,
     WAIT_POLL_S,
 )
+from .._nursery import open_nursery
 
 STATE_XATTR = "user.aiturbo.state"
 
@@ -96,7 +97,7 @@ def _sockets(mountpoint: str | None) -> list[str]:
     return sorted(glob.glob(os.path.join(RUN_ROOT, "*.sock")))
 
 
-def _human(n: int) -> str:
+def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
@@ -207,7 +208,6 @@ def cmd_controller(args) -> int:
     import trio
 
     from .._errors import AiturboError
-    from ..controller import run_controller
     from ..node._metrics import controller_endpoint
     from ._journal import log_to_stderr
 
@@ -216,10 +216,15 @@ def cmd_controller(args) -> int:
         print(f"aiturbo controller: {', '.join(missing)} missing: give them, or set them in the [controller] table "
               "of a config file named with --config FILE", file=sys.stderr)
         return 2
+    try:
+        from ..controller import run_controller
+    except AiturboError as exc:  # the planner's extra is not installed
+        print(f"aiturbo controller: {exc}", file=sys.stderr)
+        return 1
     log_to_stderr(args.log_level.upper())  # in the journal's format under systemd
 
     async def serve():
-        async with trio.open_nursery() as nursery:
+        async with open_nursery() as nursery:
             address = await nursery.start(functools.partial(
                 run_controller, args.listen, args.meta, args.secret_file, backend_gbps=args.backend_gbps,
                 plan=args.plan, metrics=controller_endpoint(args.metrics)))

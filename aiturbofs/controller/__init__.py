@@ -1,4 +1,4 @@
-"""The control plane: membership, group rounds and their plans (DESIGN.md, "Grouped I/O").
+"""The control plane: membership, group rounds and their plans (docs/design.md, "Grouped I/O").
 
 * ``RoundKeeper`` (``_rounds``): a group's rounds of file reports -> dedup
   (by full BLAKE3 hash, across files and against durable chunks) -> plan ->

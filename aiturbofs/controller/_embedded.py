@@ -7,9 +7,13 @@ share chunks upload each unique chunk once and copy the rest.
 """
 
 import collections
+import logging
 from dataclasses import dataclass, field
 
+from .. import planner
 from .._limits import GROUP_CHUNKS_TRACKED_MAX, HASH_BYTES
+
+log = logging.getLogger(__name__)
 
 # With one node nothing moves over the fabric: only the S-NIC and backend
 # figures shape the (trivial) plan, and they only need to be positive.
@@ -42,6 +46,10 @@ class EmbeddedController:
             from ._rounds import RoundKeeper
 
             meta, backend_bw, options = self._keeper_args
+            if "plan" not in options and not planner.available():
+                # One node: the LP would place every chunk here anyway; dedup is all a round can do.
+                log.info("grouped rounds: dedup only (the LP planner needs the 'cluster' extra)")
+                options = {**options, "plan": "dedup"}
             self._rounds = RoundKeeper(meta, self.members, backend_bw=backend_bw, **options)
         return self._rounds
 

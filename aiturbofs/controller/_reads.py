@@ -50,8 +50,8 @@ class ReadRoundKeeper(RoundKeeper):
                     readers[key].append(rep.node)
         for _, rep in files:
             for index in rep.have:
-                if rep.keys[index] is not None:
-                    cached[rep.keys[index]].add(rep.node)
+                if (key := rep.keys[index]) is not None:
+                    cached[key].add(rep.node)
         load: collections.Counter[str] = collections.Counter()
         chains: dict[bytes, list[str]] = {}
         for key, rs in readers.items():
@@ -66,9 +66,10 @@ class ReadRoundKeeper(RoundKeeper):
             chains[key] = order[i:] + order[:i]
         common = {"round": rnd.name, "files": len(files), "readers": len(ring), "total_bytes": total,
                   "unique_bytes": sum(lengths.values()), "fetch_bytes": dict(load)}
-        answers = {}
-        for key, rep in files:
-            answers[key] = {**common, "chains": {str(i): chains[k] for i, k in enumerate(rep.keys) if k is not None}}
+        answers: dict[tuple[str, int], dict] = {}
+        for file_key, rep in files:
+            chained = {str(i): chains[k] for i, k in enumerate(rep.keys) if k is not None}
+            answers[file_key] = {**common, "chains": chained}
         return answers
 
     def _record(self, group: str, a: dict) -> None:

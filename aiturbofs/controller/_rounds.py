@@ -31,7 +31,6 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
 import trio
 
 from .. import chunk
@@ -47,7 +46,7 @@ from .._limits import (
     ROUND_WAIT_MAX_S,
     ROUND_WINDOW_S,
 )
-from ..planner import NodeSpec, PlanInput, Planner
+from ..planner import NodeSpec
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +149,7 @@ class RoundKeeper:
     ``backend_bw`` is in bytes/s.  ``plan`` is one of ``PLAN_MODES``.
     """
 
-    def __init__(self, meta, members: Mapping, *, backend_bw: float, planner: Planner | None = None,
+    def __init__(self, meta, members: Mapping, *, backend_bw: float, planner=None,
                  window_s: float = ROUND_WINDOW_S, wait_max_s: float = ROUND_WAIT_MAX_S, plan: str = "lp"):
         assert backend_bw > 0 and 0 < window_s <= wait_max_s
         if plan not in PLAN_MODES:
@@ -159,12 +158,21 @@ class RoundKeeper:
         self.meta = meta
         self.members = members
         self.backend_bw = backend_bw
-        self.planner = planner or Planner()
+        self._planner = planner
         self.window_s, self.wait_max_s = window_s, wait_max_s
         self._open: dict[str, _Round] = {}
         # for the metrics endpoint: rounds planned, and their solve and planned times
         self.plans, self.plan_s_total, self.makespan_s_total = 0, 0.0, 0.0
         self._stats: collections.OrderedDict[str, GroupStats] = collections.OrderedDict()
+
+    @property
+    def planner(self):
+        """The LP planner, made (and numpy and cvxpy imported) on the first round it plans."""
+        if self._planner is None:
+            from ..planner import Planner
+
+            self._planner = Planner()
+        return self._planner
 
     async def report(self, node: str, body: dict) -> dict:
         """Add ``node``'s file report to its group's round; its answer once the round is planned."""
@@ -278,8 +286,8 @@ class RoundKeeper:
                 if key is None:
                     continue
                 total += length
-                c = chunks.get(key) or chunks.setdefault(key, _Chunk(length, pos))
-                c.writers.setdefault(rep.node, (pos, idx))
+                chunk = chunks.get(key) or chunks.setdefault(key, _Chunk(length, pos))
+                chunk.writers.setdefault(rep.node, (pos, idx))
         sources = await self.meta.chunk_sources(list(chunks)) if self.meta is not None and chunks else {}
         pending = [k for k in chunks if k not in sources]
         nodes = list(members)
@@ -291,7 +299,7 @@ class RoundKeeper:
             self._first_writers(pending, chunks, files, nodes, replicas, stage, persister)
         elif pending:
             plan = await trio.to_thread.run_sync(self.planner.plan, self._input(pending, chunks, members, replicas),
-                                                 cancellable=True)
+                                                 abandon_on_cancel=True)
             figures = {"lp_bound_s": plan.lp_bound_s, "makespan_s": plan.makespan_s, "plan_s": plan.solve_s,
                        "cached": plan.cached}
             for c, p in enumerate(plan.persister.tolist()):
@@ -310,9 +318,10 @@ class RoundKeeper:
         durable = sum(chunks[k].length for k in sources)
         common = {"round": rnd.name, "plan": self.plan_mode, "files": len(files), "replicas": replicas, **figures,
                   "unique_bytes": unique, "total_bytes": total, "durable_bytes": durable}
-        answers = {}
-        for pos, (key, rep) in enumerate(files):
-            holders, persist, copy, wait = set(), {}, {}, []
+        answers: dict[tuple[str, int], dict] = {}
+        for pos, (file_key, rep) in enumerate(files):
+            holders: set[str] = set()
+            persist, copy, wait = {}, {}, []
             for idx, k in enumerate(rep.keys):
                 if k is None:
                     continue
@@ -326,7 +335,7 @@ class RoundKeeper:
                 else:
                     wait.append(idx)
             holders.discard(rep.node)
-            answers[key] = {**common, "stage": stage[pos], "holders": [rep.node, *sorted(holders)],
+            answers[file_key] = {**common, "stage": stage[pos], "holders": [rep.node, *sorted(holders)],
                             "persist": persist, "copy": copy, "wait": wait}
         return answers
 
@@ -379,7 +388,11 @@ class RoundKeeper:
                  a["durable_bytes"], a["makespan_s"], a["lp_bound_s"], a["plan_s"], "yes" if a["cached"] else "no")
 
     def _input(self, pending: list[bytes], chunks: dict[bytes, _Chunk], members: dict[str, NodeSpec],
-               replicas: int) -> PlanInput:
+               replicas: int):
+        import numpy as np
+
+        from ..planner import PlanInput
+
         index = {n: i for i, n in enumerate(members)}
         holders = np.zeros((len(pending), len(members)), dtype=bool)
         for c, k in enumerate(pending):

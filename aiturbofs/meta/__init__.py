@@ -44,5 +44,8 @@ def open_meta(url: str) -> MetaStore:
     if not sep or scheme not in _ENGINES:
         known = ", ".join(f"{name}://" for name in _ENGINES)
         raise _errors.ConfigError(f"metadata URL {url!r}: unknown engine (known: {known})")
-    module = importlib.import_module(_ENGINES[scheme], __name__)
+    try:
+        module = importlib.import_module(_ENGINES[scheme], __name__)
+    except ImportError as exc:
+        raise _errors.missing_extra(f"the {scheme}:// metadata engine", "cluster", exc) from exc
     return module.from_url(url)

@@ -1,4 +1,4 @@
-"""Grouped-write planner: pure math, no I/O, no trio (DESIGN.md, "Grouped I/O").
+"""Grouped-write planner: pure math, no I/O, no trio (docs/design.md, "Grouped I/O").
 
 Given one round of a grouped write -- the unique chunks after dedup, which
 nodes already hold each, the nodes' fabric, S-NIC and DRAM budgets, the
@@ -29,9 +29,31 @@ nodes); ``plan`` raises ``PlanInfeasible`` (an ``AiturboError``, ENOSPC) when
 the free DRAM cannot hold the replicas.
 """
 
-from ._planner import Planner as Planner
-from ._types import ChunkAssignment as ChunkAssignment
-from ._types import NodeSpec as NodeSpec
-from ._types import Plan as Plan
-from ._types import PlanInfeasible as PlanInfeasible
-from ._types import PlanInput as PlanInput
+import importlib
+
+from .._errors import missing_extra
+from ._node import NodeSpec as NodeSpec
+
+# Loaded on first use: they need numpy and cvxpy, the 'cluster' extra, which
+# a single-node install (whose rounds are planned without the LP) may lack.
+_LAZY = {"Planner": "._planner", "Plan": "._types", "PlanInput": "._types",
+         "PlanInfeasible": "._types", "ChunkAssignment": "._types"}
+
+
+def available() -> bool:
+    """Whether the LP planner's dependencies are installed."""
+    try:
+        importlib.import_module("._planner", __name__)
+    except ImportError:
+        return False
+    return True
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        try:
+            module = importlib.import_module(_LAZY[name], __name__)
+        except ImportError as exc:
+            raise missing_extra("the grouped-write planner", "cluster", exc) from exc
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

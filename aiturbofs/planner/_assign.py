@@ -219,7 +219,7 @@ class Rounding:
         """Fallback when the LP-guided rounding does not pack into free DRAM: place copies chunk by
         chunk, the hardest first (fewest nodes with room, then largest), each on the non-holders with
         the most room left; persist in place where a holder can.  The local search then balances."""
-        inp, pat, n, r = self.inp, self.pat, self.n, self.r
+        inp, pat, r = self.inp, self.pat, self.r
         holders = pat.class_holders[pat.cls]  # (C, N) canonical
         room = self.dram.copy()
         snic = inp.snic_bw > 0
@@ -477,7 +477,7 @@ class Rounding:
 
     def _drop_options(self, ts, chunks, full, trs, s) -> tuple[float, tuple | None]:
         """Best drop of a copy beyond R: free (-inf) unless its node persists the chunk (then re-home it)."""
-        best = (np.inf, None)
+        best: tuple[float, tuple | None] = (np.inf, None)
         for row, t in enumerate(ts.tolist()):
             c = int(chunks[row])
             if not self._removable(c, t, trs[row]):

@@ -192,11 +192,13 @@ class FlowModel:
             raise RuntimeError(f"HiGHS did not solve the staging LP ({status}); {self.n} nodes")
         t_eps = float(self.T.value)
         bound = max((t_eps - W_FLOW) / (1.0 + W_TP), 0.0) * tau
+        fp_out, fp_in, p = self.fp_out.value, self.fp_in.value, self.p.value
+        assert fp_out is not None and fp_in is not None and p is not None  # an optimal solve sets every variable
         return LpSolution(
             bound_s=max(bound, trivial_bound_s(inp, data)),  # both are valid lower bounds
             origin=np.maximum(np.asarray(self.origin.value, dtype=np.float64), 0.0) * u,
-            persist_flow=_pairs(np.maximum(self.fp_out.value, 0.0) * u, np.maximum(self.fp_in.value, 0.0) * u),
-            persist=np.maximum(self.p.value, 0.0) * u,
+            persist_flow=_pairs(np.maximum(fp_out, 0.0) * u, np.maximum(fp_in, 0.0) * u),
+            persist=np.maximum(p, 0.0) * u,
             solve_s=time.perf_counter() - t0,
         )
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._errors import NoSpace
+from ._node import NodeSpec
 
 
 class PlanInfeasible(NoSpace):
@@ -25,16 +26,6 @@ class PlanInfeasible(NoSpace):
     def __init__(self, message: str = "", *, proven: bool = True):
         super().__init__(message)
         self.proven = proven
-
-
-@dataclass(frozen=True)
-class NodeSpec:
-    """One node as the planner sees it.  Bandwidths in bytes/s."""
-
-    send_bw: float  # compute-fabric send
-    recv_bw: float  # compute-fabric receive
-    snic_bw: float  # storage NIC: the rate this node can persist (upload) at
-    dram_free_bytes: int  # DRAM this node can give to chunks it receives this round
 
 
 def _vector(name: str, value, n: int | None, dtype) -> np.ndarray:
@@ -135,14 +126,14 @@ class PlanInput:
             if any(not 0 <= h < len(nodes) for h in hs):
                 raise ValueError(f"chunk {c}: holder out of range 0..{len(nodes) - 1}: {hs}")
             holders[c, hs] = True
-        return cls(
-            send_bw=[n.send_bw for n in nodes],
-            recv_bw=[n.recv_bw for n in nodes],
-            snic_bw=[n.snic_bw for n in nodes],
-            dram_free_bytes=[n.dram_free_bytes for n in nodes],
+        return cls(  # the dtypes __post_init__ converts to
+            send_bw=np.array([n.send_bw for n in nodes], dtype=np.float64),
+            recv_bw=np.array([n.recv_bw for n in nodes], dtype=np.float64),
+            snic_bw=np.array([n.snic_bw for n in nodes], dtype=np.float64),
+            dram_free_bytes=np.array([n.dram_free_bytes for n in nodes], dtype=np.int64),
             backend_bw=backend_bw,
             replicas=replicas,
-            chunk_bytes=[size for size, _ in chunks],
+            chunk_bytes=np.array([size for size, _ in chunks], dtype=np.int64),
             holders=holders,
         )
 
