@@ -24,7 +24,6 @@ from dataclasses import dataclass, replace
 import trio
 
 from .. import chunk
-from .._threads import background
 from .._errors import (
     AiturboError,
     BrokenFile,
@@ -40,13 +39,14 @@ from .._limits import (
     CHUNK_BYTES,
     CLUSTER_STATE_POLL_S,
     FILE_SIZE_BYTES_MAX,
-    PREFETCH_TASKS_MAX,
-    READ_AHEAD_CHUNKS,
     HASH_INLINE_BYTES_MAX,
     NAME_BYTES_MAX,
+    PREFETCH_TASKS_MAX,
+    READ_AHEAD_CHUNKS,
     SMALL_BUFFER_BYTES,
     SYMLINK_TARGET_BYTES_MAX,
 )
+from .._threads import background
 from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED, InodeRow
 from ..staging import StagingPool
 from . import _xattr
@@ -97,6 +97,12 @@ class Inode:
         # or broken; releasing them with the slot let the pool evict a chunk
         # mid-upload and marked the older version broken.
         self.retained: list[tuple[int, bytes]] = []
+
+    @property
+    def file(self) -> FileContent:
+        """The content of a file whose content is loaded (it is open, or being written)."""
+        assert self.content is not None, f"inode {self.ino} has no content loaded"
+        return self.content
 
     @property
     def live(self) -> bool:
@@ -191,7 +197,7 @@ class Filesystem:
         """Re-read the row from the metadata engine (close-to-open)."""
         row = await self.meta.get_inode(node.ino)
         if node.live:
-            row.size = node.content.size
+            row.size = node.file.size
             row.mtime_ns = node.row.mtime_ns
         node.row = row
         return row
@@ -262,6 +268,7 @@ class Filesystem:
             slot.seq += 1  # invalidates a sealer working on it
             self.pool.release(buf)
         elif slot.pinned:
+            assert slot.key is not None  # a pin is on a sealed chunk
             slot.pinned = False
             if node is not None and node.row.state in (STATE_STAGED, STATE_PERSISTING):
                 node.retained.append((node.row.version, slot.key))
@@ -333,7 +340,7 @@ class Filesystem:
         fields["ctime_ns"] = ctime_ns if ctime_ns is not None else now
         row = await self.meta.set_attrs(ino, **fields)
         if node.live:
-            row.size = node.content.size
+            row.size = node.file.size
             row.mtime_ns = node.row.mtime_ns
         node.row = row
         return self._attr(node)
@@ -583,6 +590,7 @@ class Filesystem:
         if group is None:
             return
         row = node.row
+        assert self.cluster is not None and row.manifest is not None  # see open()
         self.cluster.start_read(ReadRequest(
             ino=node.ino, version=row.version, path=await self._path(node.ino), size=row.size,
             manifest=row.manifest, group=group, group_size=group_size,
@@ -629,7 +637,7 @@ class Filesystem:
     async def write(self, fh: int, offset: int, data) -> int:
         handle = self._handles[fh]
         node = handle.inode
-        content = node.content
+        content = node.file
         length = len(data)
         if offset + length > FILE_SIZE_BYTES_MAX:
             raise FileTooBig(f"write past {FILE_SIZE_BYTES_MAX} bytes")
@@ -649,6 +657,7 @@ class Filesystem:
             if slot is None or slot.buf is None or len(slot.buf) < end:
                 slot = await self._writable_slot(node, content, index, end)
             buf = slot.buf
+            assert buf is not None  # an open slot
             if start > slot.filled:
                 buf[slot.filled : start] = bytes(start - slot.filled)
             # through a memoryview: bytearray slice assignment from another
@@ -789,7 +798,7 @@ class Filesystem:
 
     async def _commit(self, node: Inode) -> None:
         """Future 0: seal every chunk and commit the manifest as ``staged``."""
-        content = node.content
+        content = node.file
         while content.dirty:
             seq = content.seq
             await self._seal_all(node, content)
@@ -806,7 +815,8 @@ class Filesystem:
                     continue  # written meanwhile: seal and place the new bytes
             row = await self.meta.commit_manifest(
                 node.ino, size=content.size, manifest=manifest, state=STATE_STAGED, mtime_ns=node.row.mtime_ns,
-                **({"owner": self.cluster.node, "holders": placed.holders} if placed is not None else {}),
+                **({"owner": self.cluster.node, "holders": placed.holders}
+                   if self.cluster is not None and placed is not None else {}),
             )
             content.committed_seq = seq
             node.row = row
@@ -821,6 +831,7 @@ class Filesystem:
     async def _stage(self, node: Inode, content: FileContent, manifest: bytes) -> Staged:
         """Cluster: place the chunks on ``replicas`` nodes before close() returns."""
         group, group_size = await self._grouping(node)
+        assert self.cluster is not None
         return await self.cluster.stage(
             StageRequest(
                 ino=node.ino, path=await self._path(node.ino), size=content.size, manifest=manifest,
@@ -856,7 +867,7 @@ class Filesystem:
     async def read(self, fh: int, offset: int, size: int):
         handle = self._handles[fh]
         node = handle.inode
-        content = node.content
+        content = node.file
         if node.row.state == STATE_BROKEN and not content.dirty:
             raise BrokenFile(f"inode {node.ino} is broken")
         end = min(offset + size, content.size)
@@ -865,24 +876,32 @@ class Filesystem:
         if offset == handle.next_offset and not content.dirty:
             self._read_ahead(node, content, (end - 1) // CHUNK_BYTES)
         handle.next_offset = end
-        pieces = []
-        for index, start, count, _ in chunk.spans(offset, end - offset):
-            slot = content.slot_at(index)
-            if slot is None:
-                pieces.append(bytes(count))
-            elif slot.buf is not None:
-                stop = start + count
-                if stop <= slot.filled:
-                    pieces.append(memoryview(slot.buf)[start:stop])
-                else:
-                    have = memoryview(slot.buf)[start : max(start, slot.filled)]
-                    pieces.append(bytes(have) + bytes(count - len(have)))
-            else:
-                data = await self._read_slot(node, index, slot, chunk.chunk_length(content.size, index))
-                pieces.append(data[start : start + count])
-        if len(pieces) == 1:
-            return pieces[0]
-        return b"".join(pieces)
+        spans = list(chunk.spans(offset, end - offset))
+        if len(spans) == 1:  # the view goes to the kernel before anything else runs: no copy
+            return await self._read_span(node, content, *spans[0][:3])
+        # A span's view is valid only until the next await: the next span's fetch
+        # may evict its chunk and reuse the buffer (or a truncate free an open
+        # one), so each span is copied out before the next one is read.
+        out = bytearray(end - offset)
+        at = 0
+        for index, start, count, _ in spans:
+            out[at : at + count] = await self._read_span(node, content, index, start, count)
+            at += count
+        return out
+
+    async def _read_span(self, node: Inode, content: FileContent, index: int, start: int, count: int):
+        """Bytes ``start:start+count`` of chunk ``index``; valid until the next await."""
+        slot = content.slot_at(index)
+        if slot is None:
+            return bytes(count)
+        if slot.buf is not None:
+            stop = start + count
+            if stop <= slot.filled:
+                return memoryview(slot.buf)[start:stop]
+            have = memoryview(slot.buf)[start : max(start, slot.filled)]
+            return bytes(have) + bytes(count - len(have))
+        data = await self._read_slot(node, index, slot, chunk.chunk_length(content.size, index))
+        return data[start : start + count]
 
     def _read_ahead(self, node: Inode, content: FileContent, last: int) -> None:
         """A sequential reader: fetch the next chunks into the pool while it reads this one."""
@@ -894,6 +913,7 @@ class Filesystem:
             if key in self._prefetching or self.pool.view(key) is not None or len(self._prefetching) >= PREFETCH_TASKS_MAX:
                 continue
             self._prefetching.add(key)
+            assert self._nursery is not None  # started
             self._nursery.start_soon(self._prefetch, node, index, key, chunk.chunk_length(content.size, index))
 
     async def _prefetch(self, node: Inode, index: int, key: bytes, length: int) -> None:
@@ -939,7 +959,7 @@ class Filesystem:
     async def _hash_external(self, node: Inode, content: FileContent) -> None:
         """Give an imported file a manifest before its first modification."""
         keys = []
-        for index, slot in enumerate(content.slots):
+        for index, _slot in enumerate(content.slots):
             length = chunk.chunk_length(content.size, index)
             data = await self._read_external(node, index, length)
             key = chunk.digest(data)
@@ -991,7 +1011,7 @@ class Filesystem:
         # hold no pin, and unpinning them at durable/broken raised "unpin
         # without pin", which skipped the rest of the unpins and the wake-up.
         for slot in content.slots:
-            if slot is not None and slot.key not in self.pool.spill:
+            if slot is not None and (slot.key is None or slot.key not in self.pool.spill):
                 slot.pinned = False
         node.content = content
 
