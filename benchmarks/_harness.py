@@ -90,7 +90,7 @@ class MinimalMount:
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "MinimalMount":
+    def start(self) -> MinimalMount:
         os.makedirs(self.mountpoint, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, MINIMAL_FS, self.mountpoint, *self.args],
@@ -128,7 +128,7 @@ class TmpfsMount:
         self.size_bytes = size_bytes
         self.pid = None
 
-    def start(self) -> "TmpfsMount":
+    def start(self) -> TmpfsMount:
         os.makedirs(self.mountpoint, exist_ok=True)
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size_bytes},mode=0755", "benchtmpfs", self.mountpoint],
                        check=True, capture_output=True)

@@ -289,7 +289,7 @@ def rate_check(flows: list[tuple[str, str]], rx_ns: list[str] | str, seconds: fl
         n, wall, cpu = map(float, out.split())
         cpu_shares.append(cpu / max(wall, 1e-9))
     total_bytes, window = 0, 0.0
-    for out, err in got:
+    for out, _err in got:
         n, wall, cpu = map(float, out.split())
         total_bytes += n
         window = max(window, wall)

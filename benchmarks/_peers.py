@@ -151,7 +151,7 @@ class PeerMounts:
             if self not in _ACTIVE:
                 return
             _ACTIVE.remove(self)
-        for i, mnt in self.points.items():
+        for mnt in self.points.values():
             if h.is_mounted(mnt):
                 r = subprocess.run(["fusermount3", "-u", mnt], capture_output=True, text=True, check=False)
                 if r.returncode != 0:  # busy (a writer still inside) or the daemon is gone: detach it

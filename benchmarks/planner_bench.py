@@ -53,7 +53,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from aiturbofs.planner import Planner, PlanInput  # noqa: E402
+from aiturbofs.planner import PlanInput, Planner  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30

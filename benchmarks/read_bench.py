@@ -45,10 +45,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness as h  # noqa: E402
 from cluster import Cluster  # noqa: E402  (tests/ is on sys.path via _harness)
-
-from aiturbofs._limits import CLUSTER_CHAIN_LINGER_S  # noqa: E402
 from pgserver import PgServer  # noqa: E402
 from s3server import S3Server  # noqa: E402
+
+from aiturbofs._limits import CLUSTER_CHAIN_LINGER_S  # noqa: E402
 
 MiB = 1 << 20
 DURABLE_TIMEOUT_S = 600.0

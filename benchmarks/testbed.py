@@ -110,13 +110,13 @@ import _harness as h
 import _netns as nn
 
 sys.path.insert(0, h.REPO)
-from aiturbofs.node import control_socket
-from aiturbofs.node._control import call as control_call
-
 import _charts
 import _dcp  # noqa: E402
 import _kv  # after the repo is on the path: it imports aiturbofs._limits
 import _peers as peers
+
+from aiturbofs.node import control_socket
+from aiturbofs.node._control import call as control_call
 
 MiB = 1 << 20
 FABRIC_NET, STORAGE_NET, CONTROL_NET = "10.201.0", "10.202.0", "10.203.0"

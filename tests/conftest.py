@@ -1,9 +1,7 @@
 import os
 import shutil
-import subprocess
 
 import pytest
-
 from mounting import Mount
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")

@@ -129,7 +129,7 @@ class FaultyS3Proxy:
         for s in socks:
             _close(s)
 
-    def __enter__(self) -> "FaultyS3Proxy":
+    def __enter__(self) -> FaultyS3Proxy:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

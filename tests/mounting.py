@@ -12,8 +12,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

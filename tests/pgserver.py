@@ -62,7 +62,7 @@ class PgServer:
 
     # --- lifecycle -------------------------------------------------------------------
 
-    def start(self) -> "PgServer":
+    def start(self) -> PgServer:
         """initdb, start the server and make the first database; ``self``."""
         if not installed():
             raise RuntimeError(SKIP_REASON)
@@ -110,7 +110,7 @@ class PgServer:
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
-    def __enter__(self) -> "PgServer":
+    def __enter__(self) -> PgServer:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:

@@ -49,7 +49,7 @@ class S3Server:
         self._log = tempfile.NamedTemporaryFile(prefix="moto-", suffix=".log", delete=False)
         self.log_path = self._log.name
 
-    def start(self) -> "S3Server":
+    def start(self) -> S3Server:
         """Start the server (a no-op if running) and wait until it answers HTTP."""
         os.environ.update(CREDENTIALS)
         if self.running:
@@ -104,7 +104,7 @@ class S3Server:
         self.client().create_bucket(Bucket=name)
         return name
 
-    def __enter__(self) -> "S3Server":
+    def __enter__(self) -> S3Server:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:

@@ -22,6 +22,7 @@ import fsspec
 import pytest
 import trio
 import trio.testing
+from s3server import S3Server, free_port, s3_server  # noqa: F401  (s3_server is a fixture)
 
 from aiturbofs._errors import (
     BackendError,
@@ -33,9 +34,7 @@ from aiturbofs._errors import (
     TransientBackendError,
 )
 from aiturbofs._limits import CHUNK_BYTES, MiB
-from aiturbofs.backend import UPLOAD_TEMP_PREFIX, Backend, check_key, open_backend
-from aiturbofs.backend import _base, _s3
-from s3server import S3Server, free_port, s3_server  # noqa: F401  (s3_server is a fixture)
+from aiturbofs.backend import UPLOAD_TEMP_PREFIX, Backend, _base, _s3, check_key, open_backend
 
 P = CHUNK_BYTES
 

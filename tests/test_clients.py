@@ -15,8 +15,7 @@ import subprocess
 import time
 
 import pytest
-
-from mounting import state, wait_state
+from mounting import wait_state
 from test_posix import CHUNK, MiB, files_of, tree, verify_persisted
 
 

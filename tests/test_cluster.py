@@ -3,7 +3,7 @@
 Real processes (``aiturbo controller``, ``mount.aiturbo`` x 3) over a private
 PostgreSQL (shared metadata) and a moto S3 server on loopback, fabric over
 loopback TCP (``tests/cluster.py``).  What is checked is the contract of
-DESIGN.md for a cluster: close-to-open across nodes before and after
+docs/design.md for a cluster: close-to-open across nodes before and after
 durability; dedup of data-parallel replicas (the backend receives unique
 bytes only, counted both by the daemons and by a byte-counting proxy in front
 of S3); a rank-0 writer's persist spread over several nodes by the plan; a
@@ -35,7 +35,6 @@ from contextlib import contextmanager
 
 import pgserver
 import pytest
-from aiturbofs._limits import CLUSTER_SOURCE_WAIT_S, PERSIST_FILES_IN_FLIGHT
 from cluster import (
     CHUNK,
     FRAME_CHUNK,
@@ -48,6 +47,8 @@ from cluster import (
 from mounting import state, wait_state
 from pgserver import pg_server  # noqa: F401  (a fixture)
 from s3server import s3_server  # noqa: F401  (a fixture)
+
+from aiturbofs._limits import CLUSTER_SOURCE_WAIT_S, PERSIST_FILES_IN_FLIGHT
 
 pytestmark = pytest.mark.skipif(not pgserver.installed(), reason=pgserver.SKIP_REASON)
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import trio
+from mounting import REPO, aiturbo, is_mounted
 
 from aiturbofs._limits import CONFIG_PATH_DEFAULT, DRAIN_TIMEOUT_S_DEFAULT
 from aiturbofs.cli._config import mount_settings, read_config, split_config_option
@@ -17,7 +18,6 @@ from aiturbofs.cli._journal import JournalFormatter
 from aiturbofs.cli.main import controller_actions
 from aiturbofs.node import parse_options
 from aiturbofs.node._options import OPTIONS
-from mounting import REPO, aiturbo, is_mounted
 
 ENV = dict(os.environ, PYTHONPATH=REPO)
 SECRET = b"correct horse battery staple 42!"

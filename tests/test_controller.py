@@ -299,7 +299,7 @@ def test_dedup_mode_gives_each_unique_chunk_to_its_first_files_node():
             first = next(pos for pos, b in enumerate(bodies) if hexkey in b["file"]["chunks"])
             assert ups == [(first, bodies[first]["node"])], (hexkey, ups)
         assert all(answers[0]["persist"][str(j)] == "n3" for j in range(6))
-        for b, a in zip(bodies[1:], answers[1:]):
+        for a in answers[1:]:
             assert a["wait"] == list(range(6)) and set(a["persist"]) == {"6", "7"}
         # The model chunks have 4 writers (>= 2 replicas): never moved.  Each shard chunk, one writer: one
         # transfer, and both of a file's shard chunks to the same node, as a node alone would place them.

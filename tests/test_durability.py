@@ -28,13 +28,13 @@ from types import SimpleNamespace
 
 import pytest
 import trio
+from mounting import REPO, aiturbo, is_mounted, state, wait_state
+from s3server import CREDENTIALS, HOST, S3Server
 
 from aiturbofs import chunk
 from aiturbofs._errors import TransientBackendError
 from aiturbofs._limits import PERSIST_PARTS_IN_FLIGHT
 from aiturbofs.vfs._persist import Persister
-from mounting import REPO, aiturbo, is_mounted, state, wait_state
-from s3server import CREDENTIALS, HOST, S3Server
 
 MiB = 1 << 20
 CHUNK = 8 * MiB
@@ -59,7 +59,7 @@ class OutageS3Server(S3Server):
         super().__init__()
         self.buckets: list[str] = []
 
-    def start(self) -> "OutageS3Server":
+    def start(self) -> OutageS3Server:
         os.environ.update(CREDENTIALS)
         if self.running:
             return self

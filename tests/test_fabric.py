@@ -24,11 +24,40 @@ import trio
 import trio.testing
 
 from aiturbofs import chunk
-from aiturbofs._errors import AuthFailed, ConfigError, IntegrityError, InvalidArgument, NotFound, PeerBroken, PeerClosed, RemoteError
-from aiturbofs._limits import CHUNK_BYTES, FABRIC_CONTROL_BYTES_MAX, FABRIC_FRAME_BYTES_MAX, FABRIC_IN_FLIGHT_MAX
-from aiturbofs._limits import FABRIC_RDMA_PAYLOAD_BYTES_MIN, FABRIC_RDMA_READS_MAX, FABRIC_RDMA_SLOTS_MAX
-from aiturbofs.fabric import LoopbackDevice, MemoryNetwork, MemoryTransport, RdmaTransport, TcpTransport, load_secret, open_transport, rdma_devices
-from aiturbofs.fabric import _loopverbs, _pyverbs, _rdma_client, _select, _slots
+from aiturbofs._errors import (
+    AuthFailed,
+    ConfigError,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    PeerBroken,
+    PeerClosed,
+    RemoteError,
+)
+from aiturbofs._limits import (
+    CHUNK_BYTES,
+    FABRIC_CONTROL_BYTES_MAX,
+    FABRIC_FRAME_BYTES_MAX,
+    FABRIC_IN_FLIGHT_MAX,
+    FABRIC_RDMA_PAYLOAD_BYTES_MIN,
+    FABRIC_RDMA_READS_MAX,
+    FABRIC_RDMA_SLOTS_MAX,
+)
+from aiturbofs.fabric import (
+    LoopbackDevice,
+    MemoryNetwork,
+    MemoryTransport,
+    RdmaTransport,
+    TcpTransport,
+    _loopverbs,
+    _pyverbs,
+    _rdma_client,
+    _select,
+    _slots,
+    load_secret,
+    open_transport,
+    rdma_devices,
+)
 from aiturbofs.fabric._pyverbs import probe as probe_rdma
 from aiturbofs.fabric._rdma_wire import (
     ENDPOINT,
@@ -213,7 +242,7 @@ class TransportConformance:
                         peer = await client.connect(address)
                         results = {}
 
-                        async def get(key):
+                        async def get(key, peer=peer, results=results):
                             results[key] = await peer.get_chunk(key)
 
                         start = trio.current_time()

@@ -22,11 +22,11 @@ import threading
 import time
 
 import pytest
-
-from aiturbofs._limits import PERSIST_FILES_IN_FLIGHT, PERSIST_PARTS_IN_FLIGHT
 from faults import FaultyS3Proxy
 from mounting import aiturbo, state, wait_state
 from s3server import S3Server
+
+from aiturbofs._limits import PERSIST_FILES_IN_FLIGHT, PERSIST_PARTS_IN_FLIGHT
 
 MiB = 1 << 20
 CHUNK = 8 * MiB

@@ -15,7 +15,6 @@ import stat
 
 import pytest
 import trio
-
 from pgserver import PgServer, free_port, pg_server  # noqa: F401  (pg_server is a fixture)
 
 from aiturbofs import _errors as err

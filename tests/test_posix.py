@@ -21,11 +21,9 @@ import random
 import socket
 import stat
 import subprocess
-import sys
 import time
 
 import pytest
-
 from mounting import aiturbo, state, wait_state
 
 MiB = 1 << 20
@@ -709,7 +707,7 @@ def test_rm_rf_of_durable_tree_stays_gone(make_mount, tmp_path):
 def _entries(root: str) -> tuple[list[str], list[str]]:
     """(directories, files) under ``root`` as sorted relative paths ('' is root)."""
     dirs, files = [], []
-    for dirpath, dnames, fnames in os.walk(root):
+    for dirpath, _dnames, fnames in os.walk(root):
         rel = os.path.relpath(dirpath, root)
         rel = "" if rel == "." else rel
         dirs.append(rel)

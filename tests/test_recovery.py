@@ -20,9 +20,6 @@ import time
 
 import pytest
 import trio
-
-from aiturbofs import chunk
-from aiturbofs.staging import SpillStore
 from mounting import aiturbo, state, wait_state
 from test_durability import (  # noqa: F401  (s3, s3m, s3_outage_server are fixtures)
     CHUNK,
@@ -39,6 +36,9 @@ from test_durability import (  # noqa: F401  (s3, s3m, s3_outage_server are fixt
     status,
     wait_until,
 )
+
+from aiturbofs import chunk
+from aiturbofs.staging import SpillStore
 
 IMPORT_SETTLE_S = 1.6  # import_ttl=0.5 (tests' default) + the kernel's 1 s attribute cache
 # Mounts that see a frozen S3 server: no re-listing of directories, which

@@ -26,7 +26,7 @@ import hashlib
 import logging
 from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 import aiohttp
@@ -75,7 +75,7 @@ assert CHUNK_BYTES >= S3_PART_BYTES_MIN, "every part but the last must meet S3's
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 # Error codes that say "try again later" even when the status is not 5xx.
 _TRANSIENT_CODES = frozenset(
@@ -197,7 +197,7 @@ class S3Backend(Backend):
         self._stale_uploads: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     @classmethod
-    async def open(cls, url: str, options: dict[str, Any]) -> "S3Backend":
+    async def open(cls, url: str, options: dict[str, Any]) -> S3Backend:
         """Connect and check the bucket exists (one HeadBucket).
 
         Raises ``ConfigError`` for a bad URL or option, ``BackendError``
@@ -246,7 +246,7 @@ class S3Backend(Backend):
         kwargs = {"Bucket": self._bucket, "Key": self._s3_key(key), "Range": f"bytes={offset}-{offset + length - 1}"}
         return await self._run(f"read {key!r}", self._get_body, kwargs)
 
-    async def _open_upload(self, key: str, part_bytes: int) -> "S3Upload":
+    async def _open_upload(self, key: str, part_bytes: int) -> S3Upload:
         if part_bytes < S3_PART_BYTES_MIN:
             raise ValueError(f"S3 parts must be at least {S3_PART_BYTES_MIN} bytes, not {part_bytes}")
         return S3Upload(self, key, part_bytes)

@@ -117,6 +117,7 @@ def _controller_value(name: str, action: argparse.Action, value):
     if name in CONTROLLER_KINDS:
         _converted(name, CONTROLLER_KINDS[name], value)
     if action.type is not None:
+        assert callable(action.type)  # argparse also takes a registered type's name; these flags name none
         try:
             value = action.type(value if not numeric else repr(value))
         except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
@@ -214,13 +215,15 @@ def mount_settings(cf: ConfigFile | None, backend: str | None, mountpoint: str |
     """(backend, mountpoint, options): the command line over the file."""
     if (backend is None) != (mountpoint is None):
         raise ConfigError("give BACKEND and MOUNTPOINT both, or neither (then the config file names them)")
-    backend = backend if backend is not None else cf and cf.backend
-    mountpoint = mountpoint if mountpoint is not None else cf and cf.mountpoint
-    if not cf and not backend:
-        raise ConfigError("give BACKEND MOUNTPOINT, or a config file that names them (--config FILE)")
-    if not backend:
-        raise ConfigError(f"no backend: give BACKEND MOUNTPOINT, or set backend = \"URL\" in {cf.path}")
-    if not mountpoint:
+    if backend is None and cf is not None:
+        backend = cf.backend
+    if mountpoint is None and cf is not None:
+        mountpoint = cf.mountpoint
+    if not (backend and mountpoint):
+        if cf is None:  # an empty BACKEND or MOUNTPOINT on the command line, and no file
+            raise ConfigError("give BACKEND MOUNTPOINT, or a config file that names them (--config FILE)")
+        if not backend:
+            raise ConfigError(f"no backend: give BACKEND MOUNTPOINT, or set backend = \"URL\" in {cf.path}")
         raise ConfigError(f"no mount point: give BACKEND MOUNTPOINT, or set mountpoint = \"DIR\" in {cf.path}")
     return backend, mountpoint, {**(cf.mount if cf else {}), **cli_options}
 

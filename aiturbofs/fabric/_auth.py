@@ -28,7 +28,17 @@ import trio
 
 from .._errors import AuthFailed, ConfigError, PeerBroken
 from .._limits import FABRIC_SECRET_BYTES_MAX, FABRIC_SECRET_BYTES_MIN
-from ._wire import NONCE_BYTES, VERSION, Frame, FrameReader, FrameType, decode_hello, decode_message, encode_hello, send_frame
+from ._wire import (
+    NONCE_BYTES,
+    VERSION,
+    Frame,
+    FrameReader,
+    FrameType,
+    decode_hello,
+    decode_message,
+    encode_hello,
+    send_frame,
+)
 
 
 def load_secret(path: str) -> bytes:

@@ -147,6 +147,14 @@ class Transport(ABC):
     async def aclose(self) -> None:
         """Close every peer this transport connected (they raise ``PeerClosed``)."""
 
+    @abstractmethod
+    async def __aenter__(self) -> Transport:
+        """Start the tasks the transport's connections run in; returns the transport."""
+
+    @abstractmethod
+    async def __aexit__(self, *exc) -> bool | None:
+        """Close the transport (``aclose``) and end those tasks."""
+
     def counters(self) -> dict[str, PeerCounters]:
         """A snapshot of the traffic counters, by remote node name."""
         return {node: replace(c) for node, c in self._counters.items()}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import trio
 
@@ -116,7 +116,8 @@ class StreamPeer(Peer):
         self.counters.chunks_received += 1
         return data
 
-    def _raise(self):
+    def _raise(self) -> NoReturn:
+        assert self._failure is not None, "raise only once the connection failed"
         cls, message = self._failure
         raise cls(message)
 
@@ -168,6 +169,7 @@ class StreamPeer(Peer):
         if call.error is not None:
             raise call.error
         reply = call.reply
+        assert reply is not None  # done was set by _dispatch with the reply, else by _fail with an error
         if reply.type == FrameType.ERROR:
             raise RemoteError(f"{self.info.node!r} at {self.info.address}: {decode_message(reply.body)}")
         if reply.type not in expected:

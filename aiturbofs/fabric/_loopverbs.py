@@ -72,14 +72,19 @@ class LoopbackQP(QueuePair):
             self._device._complete(wr_id, error)
 
     def _execute(self, op: Op, region: Region, offset: int, length: int, remote_addr: int, rkey: int) -> str | None:
-        device = _devices.get(self.remote.gid)
-        peer = device._qps.get(self.remote.qpn) if device is not None else None
+        there = self.remote
+        assert there is not None, "post() executes only on a connected queue pair"
+        device = _devices.get(there.gid)
+        if device is None:
+            return RETRY_EXCEEDED  # nobody answers on that path
+        peer = device._qps.get(there.qpn)
         if (
             peer is None
             or peer.state != "rts"
+            or peer.remote is None  # never: a queue pair in RTS is connected
             or (peer.remote.gid, peer.remote.qpn) != (self.local.gid, self.local.qpn)
             or peer.remote.psn != self.local.psn  # each side expects the PSN the other sends with
-            or peer.local.psn != self.remote.psn
+            or peer.local.psn != there.psn
         ):
             return RETRY_EXCEEDED  # nobody answers on that path
         target = device._regions.get(rkey)
@@ -152,6 +157,7 @@ class LoopbackDevice(Device):
             self._armed = True
 
     def consume_event(self) -> None:
+        assert self._pipe is not None, "called only when completion_fd is set, i.e. with a channel"
         try:
             os.read(self._pipe[0], 64)
         except BlockingIOError:

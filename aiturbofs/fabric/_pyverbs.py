@@ -79,7 +79,8 @@ def probe() -> tuple[list[str], str]:
         found = device.get_device_list()
     except Exception as e:  # noqa: BLE001 - a kernel without its RDMA subsystem
         return [], f"no RDMA device ({e})"
-    names, down = [], []
+    names: list[str] = []
+    down: list[str] = []
     for dev in found:
         name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
         try:
@@ -267,6 +268,7 @@ class PyverbsDevice(Device):
         self._closed = False
 
     def _pick_port(self, wanted: int | None, ports: int):
+        assert self._ctx is not None  # opened by __init__ before it picks the port
         active = self._mods[3].ibv_port_state.IBV_PORT_ACTIVE
         for number in [wanted] if wanted else range(1, ports + 1):
             port_attr = self._ctx.query_port(number)

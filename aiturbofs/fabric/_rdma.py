@@ -124,6 +124,7 @@ class RdmaTransport(TcpTransport):
 
     async def __aenter__(self) -> RdmaTransport:
         await super().__aenter__()
+        assert self._nursery is not None  # opened by StreamTransport.__aenter__
         self._nursery.start_soon(self._complete_loop)
         return self
 

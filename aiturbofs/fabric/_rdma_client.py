@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING
 import trio
 
 from .._errors import InvalidArgument, PeerBroken, RemoteError
-from .._limits import CHUNK_BYTES, FABRIC_CALL_TIMEOUT_S, FABRIC_RDMA_PAYLOAD_BYTES_MIN, FABRIC_RDMA_SETUP_TIMEOUT_S, HASH_BYTES
+from .._limits import (
+    CHUNK_BYTES,
+    FABRIC_CALL_TIMEOUT_S,
+    FABRIC_RDMA_PAYLOAD_BYTES_MIN,
+    FABRIC_RDMA_SETUP_TIMEOUT_S,
+    HASH_BYTES,
+)
 from ._client import StreamPeer, _Call
 from ._rdma_wire import decode_accept, decode_length, encode_endpoint, encode_slot, encode_slot_length
 from ._slots import Slot, copy_in, copy_out
@@ -147,6 +153,7 @@ class RdmaPeer(StreamPeer):
             yield slot, call
         finally:
             if call.sent and call.reply is None and self._failure is None:
+                assert call.request_id is not None  # _call sets it before it sends
                 self._orphans[call.request_id] = slot  # the server may still write it: its late reply frees it
             else:
                 pool.release(slot)

@@ -47,6 +47,11 @@ class RdmaSession(ServerSession):
         finally:
             self._drop_qp()
 
+    def _rdma_path(self) -> tuple[QueuePair, LentMemory]:
+        """The queue pair and the client's lent memory: RDMA_CONNECT sets both, ``_drop_qp`` clears both."""
+        assert self._qp is not None and self._lent is not None, "no RDMA_CONNECT on this session"
+        return self._qp, self._lent
+
     def _drop_qp(self) -> None:
         if self._qp is not None:
             self._transport._close_qp(self._qp)
@@ -65,16 +70,17 @@ class RdmaSession(ServerSession):
             return await self._probe(bytes(frame.body))
         if not self._checked:
             raise SessionBroken(f"{self._who} sent {frame.type.name} before the RDMA path check")
+        _, lent = self._rdma_path()
         try:
             if frame.type == FrameType.GET_CHUNK_RDMA:
-                where = decode_slot(frame.body, self._lent)
+                index = decode_slot(frame.body, lent)
             else:
-                where = decode_slot_length(frame.body, self._lent)
+                index, length = decode_slot_length(frame.body, lent)
         except InvalidArgument as e:
             raise SessionBroken(f"{self._who} sent a bad {frame.type.name}: {e}") from None
         if frame.type == FrameType.GET_CHUNK_RDMA:
-            return await self._get_rdma(frame.key, where)
-        return await self._put_rdma(frame.key, *where)
+            return await self._get_rdma(frame.key, index)
+        return await self._put_rdma(frame.key, index, length)
 
     def _connect(self, body) -> tuple[FrameType, bytes, bytes]:
         if self._qp is not None:
@@ -97,12 +103,13 @@ class RdmaSession(ServerSession):
     async def _probe(self, token: bytes) -> tuple[FrameType, bytes, bytes]:
         if self._checked or self._probing:
             raise InvalidArgument("the RDMA path is already checked, or being checked")
+        qp, lent = self._rdma_path()  # _extension checked that RDMA_CONNECT came first
         self._probing = True
         failure = None
         try:
             async with self._slot() as slot:
                 try:
-                    await self._transport._move(self._qp, Op.READ, slot, len(token), self._lent.probe_addr, self._lent.rkey,
+                    await self._transport._move(qp, Op.READ, slot, len(token), lent.probe_addr, lent.rkey,
                                                 timeout_s=FABRIC_RDMA_PROBE_TIMEOUT_S)
                     if bytes(slot.view[: len(token)]) != token:
                         failure = "it read back other bytes than the client sent"
@@ -115,7 +122,8 @@ class RdmaSession(ServerSession):
             log.warning("fabric: RDMA path check with %s failed (%s): its chunks go over TCP", self._who, failure)
             raise NotSupported(f"node {self._transport.node!r} cannot RDMA-read your memory: {failure}")
         self._checked = True  # from here on the queue pair stays until the session ends
-        log.info("fabric: chunks with %s go over RDMA (%s, queue pair %d)", self._who, self._transport.device_name, self._qp.local.qpn)
+        log.info("fabric: chunks with %s go over RDMA (%s, queue pair %d)", self._who, self._transport.device_name,
+                 qp.local.qpn)
         return FrameType.ACK, b"", b""
 
     async def _get_rdma(self, key: bytes, index: int):
@@ -129,7 +137,7 @@ class RdmaSession(ServerSession):
             return FrameType.CHUNK, key, data
         async with self._slot() as slot:
             await copy_in(slot.view, data, self._transport._hash_limiter)
-            await self._rdma(Op.WRITE, slot, length, self._lent.slot_addr(index))
+            await self._rdma(Op.WRITE, slot, length, self._rdma_path()[1].slot_addr(index))
         self._counters.bytes_sent += length
         self._counters.rdma_bytes += length
         self._counters.chunks_sent += 1
@@ -137,15 +145,17 @@ class RdmaSession(ServerSession):
 
     async def _put_rdma(self, key: bytes, index: int, length: int):
         async with self._slot() as slot:
-            await self._rdma(Op.READ, slot, length, self._lent.slot_addr(index))
+            await self._rdma(Op.READ, slot, length, self._rdma_path()[1].slot_addr(index))
             self._counters.bytes_received += length
             self._counters.rdma_bytes += length
             data = await copy_out(slot.view[:length], self._transport._hash_limiter)
         return await self._put(key, data)  # verified there, then handed to the handler
 
     async def _rdma(self, op: Op, slot: Slot, length: int, remote_addr: int) -> None:
+        qp, lent = self._rdma_path()
         try:
-            await self._transport._move(self._qp, op, slot, length, remote_addr, self._lent.rkey, timeout_s=FABRIC_RDMA_WR_TIMEOUT_S)
+            await self._transport._move(qp, op, slot, length, remote_addr, lent.rkey,
+                                        timeout_s=FABRIC_RDMA_WR_TIMEOUT_S)
         except VerbsError as e:
             raise SessionBroken(f"{self._who}: RDMA failed: {e}") from None
 

@@ -23,6 +23,7 @@ import json
 import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import trio
 
@@ -189,7 +190,7 @@ class FrameReader:
         final buffer straight from the socket, saving a copy; it must read from ``stream``."""
         self._stream = stream
         self._receive_into = receive_into
-        self._pending = b""  # bytes received beyond the last frame read
+        self._pending: bytes | bytearray = b""  # bytes received beyond the last frame read
         self._pos = 0
 
     async def receive(self) -> Frame | None:
@@ -208,7 +209,13 @@ class FrameReader:
             length -= HASH_BYTES
         return Frame(ftype, request_id, key, await self._read(length))
 
+    @overload
+    async def _read(self, n: int, *, at_frame_start: Literal[False] = ...) -> bytearray: ...
+    @overload
+    async def _read(self, n: int, *, at_frame_start: bool) -> bytearray | None: ...
+
     async def _read(self, n: int, *, at_frame_start: bool = False) -> bytearray | None:
+        """``n`` bytes; ``None`` only ``at_frame_start``, if the stream ended cleanly there."""
         if n > FABRIC_RECEIVE_BYTES and self._receive_into is not None:
             return await self._read_into(n)
         out = bytearray()
@@ -229,6 +236,7 @@ class FrameReader:
             self._pending, self._pos = data, 0
 
     async def _read_into(self, n: int) -> bytearray:
+        assert self._receive_into is not None  # _read calls this only with a receive_into
         out = bytearray(n)  # n is within its frame type's bound: checked by parse_header
         with memoryview(out) as view:
             filled = min(len(self._pending) - self._pos, n)
@@ -251,7 +259,7 @@ def encode_hello(nonce: bytes, node: str) -> bytes:
     return nonce + check_node_name(node)
 
 
-def decode_hello(body: bytes) -> tuple[bytes, str]:
+def decode_hello(body: bytes | bytearray) -> tuple[bytes, str]:
     nonce, name = bytes(body[:NONCE_BYTES]), bytes(body[NONCE_BYTES:])
     try:
         return nonce, name.decode("utf-8")

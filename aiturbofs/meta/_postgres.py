@@ -135,7 +135,8 @@ class PostgresMetaStore(SqlMetaStore):
     def __init__(self, url: str, params: dict[str, str]):
         super().__init__(trio.CapacityLimiter(META_PG_CONNECTIONS))
         self.url = url
-        self._connect_kwargs = {k: v for k, v in _CONNECT_DEFAULTS.items() if k not in params}
+        # libpq keywords only, none that psycopg.connect() takes for itself (autocommit, ...)
+        self._connect_kwargs: dict[str, Any] = {k: v for k, v in _CONNECT_DEFAULTS.items() if k not in params}
         host, port, db = params.get("host", ""), params.get("port", ""), params.get("dbname", "")
         self._where = f"{host or 'localhost'}{':' + port if port else ''}/{db}"
         self._idle: list[psycopg.Connection] = []  # connections no thread is using
@@ -301,7 +302,7 @@ class PostgresMetaStore(SqlMetaStore):
 def from_url(url: str) -> PostgresMetaStore:
     """A store for ``postgresql://[user[:password]@]host[:port]/dbname[?param=value...]``."""
     try:
-        params = conninfo_to_dict(url)
+        params = {key: str(value) for key, value in conninfo_to_dict(url).items()}  # parsed from a string: str
     except psycopg.Error as exc:
         raise err.ConfigError(f"metadata URL: {exc}") from None  # the URL may hold a password
     if not params.get("dbname"):

@@ -405,6 +405,7 @@ class SqlMetaStore(MetaStore):
             f"INSERT INTO inodes ({', '.join(names)}) VALUES ({marks}) RETURNING {_COLS}",
             *values,
         )
+        assert found is not None  # INSERT ... RETURNING yields the inserted row
         return _row(found)
 
     def _update(self, tx: Tx, ino: int, fields: dict[str, Any]) -> InodeRow:
@@ -425,6 +426,7 @@ class SqlMetaStore(MetaStore):
             now,
             ino,
         )
+        assert found is not None, f"inode {ino} vanished inside its transaction"  # callers hold the inode
         return _row(found)
 
     def _touch_dir(self, tx: Tx, ino: int, now: int, nlink_delta: int = 0) -> None:
@@ -845,12 +847,14 @@ class SqlMetaStore(MetaStore):
         return await self._run(self._tx_stats, write=False)
 
     def _tx_stats(self, tx: Tx) -> tuple[int, int]:
-        count, total = tx.one(
+        found = tx.one(
             "SELECT COUNT(*), COALESCE(SUM(CASE WHEN (mode & ?) = ? THEN size ELSE 0 END), 0)"
             " FROM inodes",
             _S_IFMT,
             stat.S_IFREG,
         )
+        assert found is not None  # an aggregate without GROUP BY yields one row
+        count, total = found
         return int(count), int(total)  # PostgreSQL sums bigint to numeric
 
     # --- xattrs ----------------------------------------------------------------------
@@ -886,7 +890,9 @@ class SqlMetaStore(MetaStore):
         if present:
             tx.run("UPDATE xattrs SET value = ? WHERE ino = ? AND name = ?", value, ino, name)
             return
-        (count,) = tx.one("SELECT COUNT(*) FROM xattrs WHERE ino = ?", ino)
+        found = tx.one("SELECT COUNT(*) FROM xattrs WHERE ino = ?", ino)
+        assert found is not None  # an aggregate without GROUP BY yields one row
+        (count,) = found
         if count >= XATTRS_PER_INODE_MAX:
             raise err.OutOfRange(f"inode {ino} has {count} xattrs")
         tx.run("INSERT INTO xattrs (ino, name, value) VALUES (?, ?, ?)", ino, name, value)
@@ -932,7 +938,10 @@ class SqlMetaStore(MetaStore):
 
     async def nodes(self) -> list[NodeRow]:
         found = await self._run(self._tx_all, f"SELECT {_NODE_COLS} FROM nodes", write=False)
-        rows = [NodeRow(*rest, json.loads(info)) for *rest, info in found]
+        rows = [
+            NodeRow(name, address, state, heartbeat_ns, json.loads(info))
+            for name, address, state, heartbeat_ns, info in found  # the columns of _NODE_COLS
+        ]
         return sorted(rows, key=lambda row: row.name)  # code points: one order on every engine
 
     @staticmethod

@@ -97,12 +97,14 @@ class SqliteMetaStore(SqlMetaStore):
 
     def _disconnect(self) -> None:
         conn, self._conn = self._conn, None
+        assert conn is not None  # the base class disconnects only a connected store
         with contextlib.suppress(sqlite3.Error):  # best effort: planner statistics
             conn.execute("PRAGMA optimize")
         conn.close()  # the last connection checkpoints and removes the WAL
 
     def _transact(self, body: Callable[..., Any], args: tuple, write: bool, durable: bool) -> Any:
         conn = self._conn
+        assert conn is not None, "MetaStore.init() was not called, or close() was"
         with _operating_errors():
             if durable:
                 conn.execute("PRAGMA synchronous = FULL")

@@ -17,14 +17,14 @@ from .._limits import (
     CLUSTER_REPLICAS_DEFAULT,
     CLUSTER_SNIC_GBPS_DEFAULT,
     DRAIN_TIMEOUT_S_DEFAULT,
-    GiB,
     IMPORT_TTL_S,
-    KiB,
     METRICS_NODE_ADDRESS_DEFAULT,
-    MiB,
     PERSIST_RETRY_WINDOW_S,
     POOL_BYTES_MIN,
     POOL_DEFAULT_RAM_FRACTION,
+    GiB,
+    KiB,
+    MiB,
 )
 
 IGNORED = {
@@ -179,8 +179,8 @@ def parse_options(text: str) -> dict:
     """``a,b=c`` -> {name: converted value}; raises ConfigError naming the problem."""
     out: dict = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
-        name, _, value = item.partition("=")
-        value = value if "=" in item else None
+        name, _, text_value = item.partition("=")
+        value = text_value if "=" in item else None
         if name in IGNORED or name.startswith("x-") or name.startswith("comment="):
             continue
         spec = OPTIONS.get(name)

@@ -26,11 +26,12 @@ import logging
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import trio
 
-from .._threads import background
 from .._limits import CHUNK_BYTES, FREE_BUFFERS_KEPT_MAX, SPILL_WAIT_S, WARM_BUFFERS_TARGET
+from .._threads import background
 from ._spill import SpillStore
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,12 @@ class StagingPool:
         )
 
     # ---------------------------------------------------------------- buffers
+    @overload
+    async def alloc(self, capacity: int, *, wait: Literal[True] = True) -> bytearray: ...
+
+    @overload
+    async def alloc(self, capacity: int, *, wait: bool) -> bytearray | None: ...
+
     async def alloc(self, capacity: int, *, wait: bool = True) -> bytearray | None:
         """A zero-initialised-or-recycled buffer of ``capacity`` bytes.
 
@@ -237,9 +244,10 @@ class StagingPool:
             self._spill_wanted.set()
 
     def _evict_one(self) -> bool:
-        for key, e in self._evictable.items():
+        for _key, e in self._evictable.items():
             if e.leases == 0:
                 buf, e.buf = e.buf, None
+                assert buf is not None  # evictable entries are in memory
                 self._place(e)
                 self.release(buf)
                 return True
@@ -293,7 +301,7 @@ class StagingPool:
     # ------------------------------------------------------------------ spill
     async def _spill_one(self) -> bool:
         """Write the oldest unspilled pinned chunk to disk and drop its memory."""
-        for key, e in self._unspilled.items():
+        for _key, e in self._unspilled.items():
             if e.leases == 0:
                 break
         else:
@@ -303,6 +311,7 @@ class StagingPool:
         return self._evict_one()
 
     async def _spill_entry(self, e: Entry) -> bool:
+        assert e.buf is not None  # only entries in memory are spilled
         e.leases += 1
         try:
             await self.spill.write(e.key, memoryview(e.buf)[: e.length])
@@ -399,11 +408,11 @@ class StagingPool:
         """Like ``read`` but the view stays valid inside the ``async with``."""
         view = await self.read(key, fetch)
         e = self._entries.get(key)
-        held = e is not None and e.buf is not None and view.obj is e.buf
-        if held:
-            e.leases += 1
+        held = e if e is not None and e.buf is not None and view.obj is e.buf else None
+        if held is not None:
+            held.leases += 1
         try:
             yield view
         finally:
-            if held:
-                e.leases -= 1
+            if held is not None:
+                held.leases -= 1

@@ -90,8 +90,9 @@ class Importer:
             batch = await meta.readdir(dir_row.ino, offset, 1024)
             if not batch:
                 break
-            for name, row, offset in batch:
+            for name, row, _ in batch:
                 existing[name] = row
+            offset = batch[-1][2]  # readdir's cookie of the last entry: where the next batch starts
         try:
             infos = await self.fs.backend.list_dir(prefix)
         except BackendError as exc:
