@@ -167,3 +167,22 @@ def test_spill_store_survives_restart_and_drops_torn_writes(tmp_path):
         assert await again.read(key) == bytes(data)
 
     run(main)
+
+
+def test_recovered_chunk_adopted_again_has_the_writers_length(tmp_path):
+    # After a restart a spilled chunk is known by key only (length unknown);
+    # a writer sealing the same bytes again (frozen layers, zero chunks) must
+    # give the entry its real length, or view() and the upload part are short.
+    async def main():
+        spill = SpillStore(str(tmp_path / "spill"))
+        key, data = _chunk(5)
+        await spill.write(key, memoryview(data))
+        pool = StagingPool(4 * CHUNK_BYTES, spill, eager_spill=False)
+        assert pool.recover_spilled(key)
+        buf = await pool.alloc(CHUNK_BYTES)
+        buf[:] = data
+        pool.adopt(key, buf, CHUNK_BYTES)
+        view = pool.view(key)
+        assert view is not None and len(view) == CHUNK_BYTES and view == data
+
+    run(main)

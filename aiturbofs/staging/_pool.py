@@ -176,7 +176,9 @@ class StagingPool:
         if e is None:
             e = self._entries[key] = Entry(key, buf, length)
         elif e.buf is None:
-            e.buf = buf  # spilled-only entry gets its memory back
+            # A spilled-only entry gets its memory back; one recovered after a
+            # restart did not know its length until now.
+            e.buf, e.length = buf, length
         else:
             self.release(buf)
         self.pin(key)
