@@ -1184,3 +1184,14 @@ def test_random_writes_with_model(make_mount, tmp_path):
         os.close(fd)
     assert read_file(q) == model
     verify_persisted(make_mount, fresh, tmp_path)
+
+
+def test_file_created_read_only_and_closed_becomes_durable(make_mount, local_backend):
+    # open(O_CREAT|O_RDONLY) creates an empty file whose close() never wrote:
+    # it must still be committed and persisted like any other file.
+    m = make_mount()
+    path = m.path("created-rdonly")
+    os.close(os.open(path, os.O_CREAT | os.O_RDONLY, 0o644))
+    assert wait_state(path, "durable", timeout_s=30) == "durable"
+    assert (local_backend / "created-rdonly").stat().st_size == 0
+    assert m.stop() == 0, m.log()  # the drain has nothing left that is not durable

@@ -111,13 +111,16 @@ class Inode:
 
 
 class Handle:
-    __slots__ = ("fh", "inode", "flags", "writable", "next_offset")
+    __slots__ = ("fh", "inode", "flags", "writable", "commits", "next_offset")
 
-    def __init__(self, fh: int, inode: Inode, flags: int):
+    def __init__(self, fh: int, inode: Inode, flags: int, *, created: bool = False):
         self.fh = fh
         self.inode = inode
         self.flags = flags
         self.writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        # Its close() commits the file: a writer's, or the one that created the
+        # file (open(O_CREAT|O_RDONLY) makes an empty file that must persist too).
+        self.commits = self.writable or created
         self.next_offset = 0  # where a sequential reader reads next (read-ahead)
 
 
@@ -399,7 +402,7 @@ class Filesystem:
 
     async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int) -> tuple[Handle, InodeRow]:
         node = await self._create_row(parent, name, stat.S_IFREG | (mode & 0o7777), uid, gid)
-        handle = self._open_handle(node, flags)
+        handle = self._open_handle(node, flags, created=True)
         node.cached_version = node.row.version
         return handle, self._attr(node)
 
@@ -544,10 +547,10 @@ class Filesystem:
             node.content = FileContent.from_manifest(node.row.size, node.row.manifest, pinned=False)
         return node.content
 
-    def _open_handle(self, node: Inode, flags: int) -> Handle:
+    def _open_handle(self, node: Inode, flags: int, *, created: bool = False) -> Handle:
         fh = self._next_fh
         self._next_fh += 1
-        handle = self._handles[fh] = Handle(fh, node, flags)
+        handle = self._handles[fh] = Handle(fh, node, flags, created=created)
         node.opens += 1
         return handle
 
@@ -600,7 +603,7 @@ class Filesystem:
         handle = self._handles.pop(fh)
         node = handle.inode
         try:
-            if handle.writable and node.content is not None and node.content.dirty and node.row.nlink > 0:
+            if handle.commits and node.content is not None and node.content.dirty and node.row.nlink > 0:
                 await self._commit(node)
         finally:
             node.opens -= 1
@@ -610,7 +613,7 @@ class Filesystem:
         """close(): future 0, or future 1 with ``-o sync_close``."""
         handle = self._handles[fh]
         node = handle.inode
-        if not handle.writable or node.content is None:
+        if not handle.commits or node.content is None:
             return
         if node.content.dirty and node.row.nlink > 0:
             await self._commit(node)
