@@ -72,8 +72,49 @@ def _write(path: str, data: bytes, mode: int) -> None:
 
 
 # ------------------------------------------------------------ mount options
-def test_default_mount_keeps_other_users_out(make_mount):
+def test_root_mount_is_shared_with_modes_checked_by_default(make_mount):
+    # A training node's users share /mnt/aiturbo: root mounts with allow_other
+    # and the kernel enforces the modes (default_permissions), as JuiceFS does.
     m = make_mount()
+    per_mount, per_sb = _mountinfo(m.mountpoint)
+    assert {"allow_other", "default_permissions"} <= per_sb, per_sb
+    assert {"nosuid", "nodev"} <= per_mount, per_mount
+    _write(m.path("public"), b"for everyone", 0o644)
+    _write(m.path("secret"), b"root only", 0o600)
+    fd = os.open(m.mountpoint, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        out = _as_nobody("print(open(os.open('public', os.O_RDONLY, dir_fd=D), 'rb').read() == b'for everyone')\n"
+                         "print(attempt(os.open, 'secret', os.O_RDONLY, dir_fd=D))\n"
+                         "print(attempt(os.chmod, 'public', 0o666, dir_fd=D))\n", fd)
+    finally:
+        os.close(fd)
+    assert out == ["True", "EACCES", "EPERM"], out
+
+
+def test_write_by_another_user_clears_setuid_and_setgid(make_mount):
+    # pjdfstest chmod/12.t: a write by a user without CAP_FSETID kills the
+    # set-user-ID and set-group-ID bits, through an O_WRONLY handle too.
+    m = make_mount()
+    for name, mode in (("suid", 0o4777), ("sgid", 0o2777), ("both", 0o6777)):
+        _write(m.path(name), b"old", mode)
+        assert stat.S_IMODE(os.stat(m.path(name)).st_mode) == mode
+    fd = os.open(m.mountpoint, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        out = _as_nobody("for name in ('suid', 'sgid', 'both'):\n"
+                         "    f = os.open(name, os.O_WRONLY, dir_fd=D)\n"
+                         "    os.write(f, b'new')\n"
+                         "    os.close(f)\n"
+                         "    print(oct(os.stat(name, dir_fd=D).st_mode & 0o7777))\n", fd)
+    finally:
+        os.close(fd)
+    assert out == ["0o777", "0o777", "0o777"], out
+    for name in ("suid", "sgid", "both"):
+        assert stat.S_IMODE(os.stat(m.path(name)).st_mode) == 0o777, name
+        assert open(m.path(name), "rb").read() == b"new"
+
+
+def test_allow_other_no_keeps_other_users_out(make_mount):
+    m = make_mount(allow_other="no")
     per_mount, per_sb = _mountinfo(m.mountpoint)
     assert "default_permissions" in per_sb and "allow_other" not in per_sb, per_sb
     assert {"nosuid", "nodev"} <= per_mount, per_mount

@@ -142,8 +142,12 @@ class Operations(pyfuse3.Operations):
         # per-write getxattr(security.capability) and sends 1 MiB requests
         # straight through (measured ~1.5x the cached path).  Handles that can
         # read keep the page cache (and mmap) working.
+        # A set-user/group-ID file keeps the cached path: there the kernel kills
+        # the bits (a setattr) when someone without CAP_FSETID writes, which a
+        # direct_io write never asks for.
         write_only = (handle.flags & os.O_ACCMODE) == os.O_WRONLY
-        return pyfuse3.FileInfo(fh=handle.fh, direct_io=write_only, keep_cache=keep_cache and not write_only)
+        direct = write_only and not handle.inode.row.mode & (stat.S_ISUID | stat.S_ISGID)
+        return pyfuse3.FileInfo(fh=handle.fh, direct_io=direct, keep_cache=keep_cache and not direct)
 
     @fuse_handler
     async def read(self, fh, off, size):

@@ -47,7 +47,8 @@ OPTIONS = {
     "s3_region": ("str", "S3 region"),
     "s3_anon": ("flag", "anonymous S3 access"),
     "s3_connect_timeout": ("float", "seconds to wait for an S3 connection"),
-    "allow_other": ("flag", "let other users access the mount (off by default)"),
+    "allow_other": ("flag", "let other users access the mount, the kernel checking modes (default: on when "
+                            "mounted by root, as on a shared training node; allow_other=no to keep it private)"),
     "ro": ("flag", "mount read-only"),
     "debug": ("flag", "verbose logging"),
     "log": ("path", "log file when daemonized (default <state_dir>/aiturbo.log)"),
@@ -203,7 +204,9 @@ def build_config(backend: str, mountpoint: str, options: dict, *, foreground: bo
     cfg.import_ttl_s = options.get("import_ttl", IMPORT_TTL_S)
     cfg.persist_retry_window_s = options.get("persist_retry_window", PERSIST_RETRY_WINDOW_S)
     cfg.backend_options = {k: v for k, v in options.items() if k.startswith("s3_")}
-    cfg.allow_other = options.get("allow_other", False)
+    # Root mounts for every user of the node (the kernel enforces the modes:
+    # default_permissions is always on); anyone else needs user_allow_other.
+    cfg.allow_other = options.get("allow_other", os.geteuid() == 0)
     cfg.read_only = options.get("ro", False)
     cfg.debug = options.get("debug", False)
     cfg.log = options.get("log")
