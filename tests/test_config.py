@@ -415,3 +415,12 @@ def test_systemd_analyze_verifies_the_units(tmp_path):
     r = subprocess.run(["systemd-analyze", "verify", *names], check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "aiturbo" not in r.stderr, r.stderr  # no warning about our units
+
+
+def test_check_masks_the_password_of_a_metadata_url(tmp_path):
+    path = _write(tmp_path / "pw.toml", '[mount]\nmeta = "postgresql://aiturbo:hunter2-secret@10.0.0.1/aiturbo"\n'
+                                        '[controller]\nmeta = "postgresql://ctl:other-secret@10.0.0.1/aiturbo"\n')
+    r = aiturbo("config", "check", str(path), check=False)
+    assert "hunter2-secret" not in r.stdout + r.stderr and "other-secret" not in r.stdout + r.stderr
+    assert "[mount] meta = postgresql://aiturbo:***@10.0.0.1/aiturbo" in r.stdout.splitlines(), r.stdout
+    assert "[controller] meta = postgresql://ctl:***@10.0.0.1/aiturbo" in r.stdout.splitlines(), r.stdout

@@ -23,6 +23,7 @@ module never reads a file nobody named.
 
 import argparse
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 
@@ -237,14 +238,19 @@ def _size_text(n: int) -> str:
     return str(n)
 
 
+# The password of a URL's user info (postgresql://user:PASSWORD@host/db).
+_URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*:)[^@\s]*(?P<at>@)")
+
+
 def _show(value) -> str:
+    """A setting as `config check` prints it; a password in a URL is masked."""
     if value is None:
         return "(not set)"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):
         return f"{value:g}"
-    return str(value)
+    return _URL_PASSWORD.sub(r"\g<head>***\g<at>", str(value))
 
 
 # option -> how its effective value reads off NodeConfig, where the field is not the option's name
