@@ -304,8 +304,13 @@ def _info(key: str, st: os.stat_result) -> ObjectInfo | None:
 
 
 def _etag(st: os.stat_result) -> str | None:
-    """An object's etag: a publish (rename) brings a new mtime; None for non-objects."""
-    return f"{st.st_mtime_ns}-{st.st_size}" if stat_mod.S_ISREG(st.st_mode) else None
+    """An object's etag; None for non-objects.
+
+    A publish renames a new file into place: a new inode, so the inode number
+    tells versions apart where mtime and size alone do not (a same-size
+    rewrite within one tick of a coarse clock).
+    """
+    return f"{st.st_mtime_ns}-{st.st_size}-{st.st_ino}" if stat_mod.S_ISREG(st.st_mode) else None
 
 
 def _outside(path: str, root: str) -> bool:
