@@ -20,6 +20,7 @@ HASH_INLINE_BYTES_MAX = 1 * MiB  # hash smaller chunks on the trio thread
 FUSE_REQUEST_BYTES_MAX = 1 * MiB  # libfuse 3.14 fixes max_write at 256 pages
 NAME_BYTES_MAX = 255  # like ext4 / NAME_MAX
 PATH_BYTES_MAX = 4096  # like PATH_MAX
+S3_KEY_BYTES_MAX = 1024  # S3's limit on an object key
 SYMLINK_TARGET_BYTES_MAX = 4095
 XATTR_NAME_BYTES_MAX = 255
 XATTR_VALUE_BYTES_MAX = 64 * KiB

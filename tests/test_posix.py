@@ -1195,3 +1195,51 @@ def test_file_created_read_only_and_closed_becomes_durable(make_mount, local_bac
     assert wait_state(path, "durable", timeout_s=30) == "durable"
     assert (local_backend / "created-rdonly").stat().st_size == 0
     assert m.stop() == 0, m.log()  # the drain has nothing left that is not durable
+
+
+def test_paths_longer_than_a_backend_key_are_refused_at_create(make_mount, local_backend):
+    # The file:// backend names a key below its root, within the kernel's
+    # PATH_MAX.  Directories of 255-byte names fill a path to 20 bytes short
+    # of the longest key it takes: a short name still fits, a 255-byte one
+    # cannot be stored and is refused at once.  Descriptors walk down: the
+    # kernel caps a path argument at PATH_MAX, and the daemon must refuse what
+    # the kernel lets through.
+    from aiturbofs.backend._local import LocalBackend
+
+    key_bytes_max = LocalBackend(str(local_backend), 1.0).key_bytes_max
+    names, used = [], 0
+    while used + 1 + 255 <= key_bytes_max - 20:
+        names.append(f"{len(names):02d}" + "d" * 253)
+        used += (1 if used else 0) + 255
+    names.append("e" * (key_bytes_max - 20 - used - 1))
+    m = make_mount()
+    fds = [os.open(m.mountpoint, os.O_RDONLY | os.O_DIRECTORY)]
+    try:
+        for name in names:
+            os.mkdir(name, dir_fd=fds[-1])
+            fds.append(os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fds[-1]))
+        deep = fds[-1]
+        f = os.open("fits", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=deep)
+        os.write(f, b"ok")
+        os.close(f)
+        long_name = "f" * 255
+        attempts = {
+            "create": lambda: os.close(os.open(long_name, os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=deep)),
+            "mkdir": lambda: os.mkdir(long_name, dir_fd=deep),
+            "symlink": lambda: os.symlink("fits", long_name, dir_fd=deep),
+            "link": lambda: os.link("fits", long_name, src_dir_fd=deep, dst_dir_fd=deep),
+            "rename": lambda: os.rename("fits", long_name, src_dir_fd=deep, dst_dir_fd=deep),
+        }
+        for what, attempt in attempts.items():
+            with pytest.raises(OSError) as e:
+                attempt()
+            assert e.value.errno == errno.ENAMETOOLONG, what
+        state_of = os.getxattr(f"/proc/self/fd/{deep}/fits", "user.aiturbo.state").decode()
+        deadline = time.monotonic() + 30
+        while state_of != "durable" and time.monotonic() < deadline:
+            time.sleep(0.1)
+            state_of = os.getxattr(f"/proc/self/fd/{deep}/fits", "user.aiturbo.state").decode()
+        assert state_of == "durable"
+    finally:
+        for fd in reversed(fds):
+            os.close(fd)

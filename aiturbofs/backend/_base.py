@@ -458,6 +458,7 @@ class Backend(ABC):
     url: str
     supports_server_copy: bool = False  # copy_part and copy move no bytes through this process
     supports_remote_parts: bool = False  # Upload.token / write_remote_part work (see Upload)
+    key_bytes_max: int = PATH_BYTES_MAX  # the longest key (UTF-8 bytes) the store can name
 
     @classmethod
     @abstractmethod

@@ -23,7 +23,7 @@ from typing import Any
 import trio
 
 from .._errors import BackendError, BackendNotFound, InvalidArgument, SourceChanged, TransientBackendError
-from .._limits import BACKEND_THREADS_MAX, CHUNK_BYTES, LIST_ENTRIES_MAX, NAME_BYTES_MAX
+from .._limits import BACKEND_THREADS_MAX, CHUNK_BYTES, LIST_ENTRIES_MAX, NAME_BYTES_MAX, PATH_BYTES_MAX
 from ._base import (
     UPLOAD_TEMP_PREFIX,
     Backend,
@@ -96,6 +96,10 @@ class LocalBackend(Backend):
     def __init__(self, root: str, timeout_s: float):
         self.url = "file://" + root
         self._root = root
+        # A key's upload temp file, its sibling, must fit the kernel's PATH_MAX
+        # (NUL included) below the root: the temp name adds its head.
+        temp_head_bytes = len(UPLOAD_TEMP_PREFIX) + 2 * _TEMP_NONCE_BYTES + 1
+        self.key_bytes_max = PATH_BYTES_MAX - 1 - len(os.fsencode(root)) - 1 - temp_head_bytes
         self._timeout_s = timeout_s
         self._limiter = trio.CapacityLimiter(BACKEND_THREADS_MAX)
 

@@ -49,6 +49,7 @@ from .._limits import (
     CHUNK_BYTES,
     LIST_ENTRIES_MAX,
     S3_COPY_OBJECT_BYTES_MAX,
+    S3_KEY_BYTES_MAX,
     S3_PART_BYTES_MIN,
     S3_PARTS_MAX,
     S3_PUT_BYTES_MAX,
@@ -185,6 +186,8 @@ class S3Backend(Backend):
 
     def __init__(self, fs: s3fs.S3FileSystem, bucket: str, prefix: str, timeout_s: float):
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+        # S3 names objects of up to 1024 bytes, the prefix and its slash included
+        self.key_bytes_max = S3_KEY_BYTES_MAX - (len(prefix.encode()) + 1 if prefix else 0)
         self._fs = fs
         self._bucket = bucket
         self._prefix = prefix

@@ -356,8 +356,21 @@ class Filesystem:
                 mode |= stat.S_ISGID
         return gid, mode
 
+    async def _check_path_bytes(self, parent: int, name: bytes) -> None:
+        """``NameTooLong`` if ``parent/name`` is longer than a backend key may be.
+
+        A local filesystem refuses such a path at once (ENAMETOOLONG); accepted,
+        it would be marked broken at persist, when the backend refuses the key.
+        """
+        paths = await self.meta.paths_of(parent)
+        above = len(paths[0].encode("utf-8", "surrogateescape")) + 1 if paths and paths[0] else 0
+        if above + len(name) > self.backend.key_bytes_max:
+            raise NameTooLong(f"path of {above + len(name)} bytes exceeds the {self.backend.key_bytes_max} "
+                              "the backend can name")
+
     async def _create_row(self, parent: int, name: bytes, mode: int, uid: int, gid: int, *, rdev: int = 0, target: bytes | None = None) -> Inode:
         _check_name(name)
+        await self._check_path_bytes(parent, name)
         parent_row = await self.meta.get_inode(parent)
         await self.importer.refresh(parent)
         gid, mode = self._creation_ids(parent_row, uid, gid, mode)
@@ -408,6 +421,7 @@ class Filesystem:
 
     async def link(self, ino: int, new_parent: int, new_name: bytes) -> InodeRow:
         _check_name(new_name)
+        await self._check_path_bytes(new_parent, new_name)
         row = await self.meta.link(ino, new_parent, new_name)
         node = self._remember(row)
         # _remember keeps the row of a file open for writing: count the link there too
@@ -441,6 +455,7 @@ class Filesystem:
 
     async def rename(self, parent: int, name: bytes, new_parent: int, new_name: bytes, *, noreplace: bool, exchange: bool) -> None:
         _check_name(new_name)
+        await self._check_path_bytes(new_parent, new_name)
         await self.importer.refresh(new_parent)
         moved = await self.meta.lookup(parent, name)
         other = None if noreplace else await self._lookup_or_none(new_parent, new_name)
