@@ -131,6 +131,8 @@ class Store:
         self.calls += 1
         if body.get("op") == "missing":
             raise NotFound("no such thing")
+        if body.get("op") == "crash":  # a handler's bug or a race (a spill file gone mid-read)
+            raise FileNotFoundError(2, "No such file or directory", "spill/ab12")
         return {"echo": body, "from": peer.node}
 
 
@@ -208,6 +210,21 @@ class TransportConformance:
                 assert await peer.get_chunk(chunk.digest(b"never stored")) is None
                 key, data = keyed(b"seven!!")
                 assert await peer.put_chunk(key, data) is False  # the handler said no
+                assert await peer.ping() >= 0
+
+        run(main)
+
+    def test_a_failing_handler_fails_one_request_not_the_connection(self, make_transport):
+        # A foreign exception in a request handler once reached the daemon's
+        # root nursery and unmounted it, staged data and all.
+        async def main():
+            async with self.serving(make_transport, Store()) as (_, address, _), make_transport("client", SECRET) as client:
+                peer = await client.connect(address)
+                for _ in range(2):
+                    with pytest.raises(RemoteError, match="FileNotFoundError"):
+                        await peer.control({"op": "crash"})
+                assert peer.state == "open"
+                assert (await peer.control({"op": "again"}))["echo"] == {"op": "again"}
                 assert await peer.ping() >= 0
 
         run(main)

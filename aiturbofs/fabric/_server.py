@@ -109,6 +109,9 @@ class ServerSession:
             raise PeerBroken(str(e)) from None
         except AiturboError as e:
             return FrameType.ERROR, b"", encode_message(f"{type(e).__name__}: {e}")
+        except Exception as e:  # a handler's bug or race fails its request, never the node
+            log.error("fabric: %s request from %s failed: %r", frame.type.name, self._who, e, exc_info=True)
+            return FrameType.ERROR, b"", encode_message(f"{type(e).__name__}: {e}")
 
     async def _extension(self, frame: Frame):
         """A transport-extension request; this transport has none (RDMA overrides this)."""
