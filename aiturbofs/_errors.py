@@ -124,6 +124,11 @@ class ConfigError(AiturboError):
     errno = errno.EINVAL
 
 
+class MetaUnavailable(AiturboError):
+    """The metadata engine did not answer (connection lost or refused, busy, a
+    statement timed out): the same call may succeed later."""
+
+
 class MissingExtra(ConfigError):
     """An option needs an optional dependency (a pip extra) that is not installed."""
 

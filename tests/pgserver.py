@@ -82,18 +82,32 @@ class PgServer:
     def _start_on_free_port(self) -> None:
         for attempt in range(START_ATTEMPTS):
             self.port = free_port()
-            # fsync=off: a throwaway test cluster need not survive a power cut,
-            # and CREATE DATABASE per test stays cheap.
-            options = f"-c listen_addresses={HOST} -p {self.port} -k {self.dir} -c fsync=off"
-            log = os.path.join(self.dir, "log")
             try:
-                wait = ("-t", str(START_TIMEOUT_S), "-w")
-                self._run("pg_ctl", "-D", self.dir, "-o", options, "-l", log, *wait, "start")
-                self._started = True
+                self._pg_ctl_start()
                 return
             except RuntimeError:
                 if attempt == START_ATTEMPTS - 1:
                     raise
+
+    def _pg_ctl_start(self) -> None:
+        assert self.dir is not None and self.port is not None
+        # fsync=off: a throwaway test cluster need not survive a power cut,
+        # and CREATE DATABASE per test stays cheap.
+        options = f"-c listen_addresses={HOST} -p {self.port} -k {self.dir} -c fsync=off"
+        log = os.path.join(self.dir, "log")
+        wait = ("-t", str(START_TIMEOUT_S), "-w")
+        self._run("pg_ctl", "-D", self.dir, "-o", options, "-l", log, *wait, "start")
+        self._started = True
+
+    def kill(self) -> None:
+        """Stop the server as a crash would (its data stays); ``start_again`` brings it back."""
+        assert self.dir is not None and self._started
+        self._started = False
+        self._run("pg_ctl", "-D", self.dir, "-m", "immediate", "-w", "stop")
+
+    def start_again(self) -> None:
+        """Start a killed server on the same port, with its data."""
+        self._pg_ctl_start()
 
     def stop(self) -> None:
         """Kill the server (no shutdown checkpoint) and remove its directory.

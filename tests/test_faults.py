@@ -24,6 +24,7 @@ import time
 import pytest
 from faults import FaultyS3Proxy
 from mounting import aiturbo, state, wait_state
+from pgserver import SKIP_REASON, PgServer, installed
 from s3server import S3Server
 
 from aiturbofs._limits import PERSIST_FILES_IN_FLIGHT, PERSIST_PARTS_IN_FLIGHT
@@ -335,3 +336,29 @@ def test_memory_pressure_rss_stays_in_budget(spill, faulty, tmp_path):
     )
     assert_all_durable_and_exact(faulty, m, files)
     assert "broken" not in m.log()
+
+
+@pytest.mark.skipif(not installed(), reason=SKIP_REASON)
+def test_metadata_restart_while_files_persist_loses_none(faulty):
+    # A lost PostgreSQL connection in the persister was logged as a bug and
+    # left the file 'persisting' with its pins held: `aiturbo wait` hung.
+    # Files wait for S3 (down), the metadata server dies, S3 comes back: the
+    # uploads land while the metadata cannot record them.  Once it is back,
+    # every file must become durable.
+    with PgServer() as pg:
+        m = faulty.mount(meta=pg.url)
+        faulty.proxy.set(down=True)
+        data = {f"f{i}.bin": secrets.token_bytes(MiB + i) for i in range(4)}
+        for name, body in data.items():
+            with open(m.path(name), "wb") as f:
+                f.write(body)
+        assert {state(m.path(n)) for n in data} <= {"staged", "persisting"}
+        pg.kill()
+        faulty.proxy.set(down=False)
+        time.sleep(4)  # retries reach S3 and then the dead metadata server
+        pg.start_again()
+        for name in data:
+            assert wait_state(m.path(name), "durable", timeout_s=DURABLE_WAIT_S) == "durable", m.log()
+            assert faulty.object(name) == data[name]
+        assert "BUG" not in m.log()
+        assert unmount(m) == 0, m.log()

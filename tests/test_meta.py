@@ -1000,7 +1000,7 @@ class TestPostgres(MetaConformance):
         assert killed >= 2
         with pytest.raises(err.AiturboError) as caught:
             await store.get_inode(f.ino)
-        assert type(caught.value) is err.AiturboError and caught.value.errno == errno.EIO
+        assert type(caught.value) is err.MetaUnavailable and caught.value.errno == errno.EIO
         assert "connection lost" in str(caught.value)
         assert (await store.get_inode(f.ino)).ino == f.ino  # reconnected
 

@@ -155,7 +155,7 @@ class PostgresMetaStore(SqlMetaStore):
         try:
             conn = psycopg.connect(self.url, autocommit=True, **self._connect_kwargs)
         except psycopg.Error as exc:
-            raise err.AiturboError(f"metadata database {self._where}: cannot connect: {exc}") from exc
+            raise err.MetaUnavailable(f"metadata database {self._where}: cannot connect: {exc}") from exc
         try:
             timeout_ms = int(META_PG_STATEMENT_TIMEOUT_S * 1000)
             conn.execute(f"SET statement_timeout = {timeout_ms}", prepare=False)
@@ -287,11 +287,11 @@ class PostgresMetaStore(SqlMetaStore):
         if conn.broken or conn.closed:
             conn.close()
             self._drop_idle()  # they went down with it (server restart): reopen all on demand
-            return err.AiturboError(f"metadata database {self._where}: connection lost: {exc}")
+            return err.MetaUnavailable(f"metadata database {self._where}: connection lost: {exc}")
         if isinstance(exc, pgerr.DiskFull):
             return err.NoSpace(f"metadata database {self._where}: {exc}")
         if isinstance(exc, pgerr.QueryCanceled):
-            return err.AiturboError(
+            return err.MetaUnavailable(
                 f"metadata database {self._where}: statement timed out or was cancelled: {exc}"
             )
         if not state or state[:2] in _OPERATING_CLASSES or state == _READ_ONLY_STANDBY:

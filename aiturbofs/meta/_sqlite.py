@@ -58,6 +58,8 @@ def _operating_errors() -> Iterator[None]:
         code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
         if code == sqlite3.SQLITE_FULL:
             raise err.NoSpace(f"metadata database: {exc}") from exc
+        if code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):  # another writer held it too long
+            raise err.MetaUnavailable(f"metadata database: {exc}") from exc
         if code in _OPERATING_CODES:
             raise err.AiturboError(f"metadata database: {exc}") from exc
         raise

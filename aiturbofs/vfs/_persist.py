@@ -36,6 +36,7 @@ from .._errors import (
     BackendError,
     BackendNotFound,
     IntegrityError,
+    MetaUnavailable,
     NotFound,
     NotSupported,
     PeerBroken,
@@ -400,6 +401,14 @@ class Persister:
                 log.warning("persist_retry path=%s error=%r retry_in_s=%.1f", await self._name(ino), str(exc), sleep_s)
                 with trio.move_on_after(sleep_s):
                     await self._backend_answers.wait()  # another file got through: so may this one
+                backoff = min(backoff * 2, PERSIST_BACKOFF_MAX_S)
+            except MetaUnavailable as exc:
+                # Not the file's fault, and recording 'broken' needs the metadata
+                # too: wait for the engine however long it takes (no deadline).
+                self.retries += 1
+                sleep_s = backoff * random.uniform(1.0 - PERSIST_BACKOFF_JITTER, 1.0)
+                log.warning("persist_retry ino=%d error=%r retry_in_s=%.1f (metadata engine)", ino, str(exc), sleep_s)
+                await trio.sleep(sleep_s)
                 backoff = min(backoff * 2, PERSIST_BACKOFF_MAX_S)
             except (BackendError, IntegrityError) as exc:
                 await self._mark_broken(ino, str(exc))
