@@ -1243,3 +1243,26 @@ def test_paths_longer_than_a_backend_key_are_refused_at_create(make_mount, local
     finally:
         for fd in reversed(fds):
             os.close(fd)
+
+
+@pytest.mark.parametrize("create", ["rdonly", "written"])
+def test_rename_over_a_hard_link_updates_its_other_links_ctime(create, mnt):
+    # pjdfstest rename/23.t: replacing a name drops a link of the file it
+    # named, a change of that inode (nlink): its ctime moves, as seen by
+    # another of its links.
+    a, b, c = mnt.path("a"), mnt.path("b"), mnt.path("c")
+    if create == "rdonly":
+        os.close(os.open(a, os.O_CREAT | os.O_RDONLY, 0o644))
+    else:
+        with open(a, "wb") as f:
+            f.write(b"x")
+    os.link(a, b)
+    before = os.stat(b)
+    assert before.st_nlink == 2
+    time.sleep(0.05)
+    with open(c, "wb") as f:
+        f.write(b"new")
+    os.rename(c, a)
+    after = os.stat(b)
+    assert after.st_nlink == 1
+    assert after.st_ctime_ns > before.st_ctime_ns
