@@ -22,15 +22,17 @@ log = logging.getLogger(__name__)
 
 async def serve(path: str, dispatch, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``dispatch(request: dict) -> dict`` on the unix socket ``path``."""
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    # The directory is private, so the socket may be bound with any mode and
+    # narrowed before it listens: setting the umask instead would change it
+    # for the whole process, worker threads creating backend files included.
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    os.chmod(directory, 0o700)
     if os.path.exists(path):
         os.unlink(path)  # stale from a crash; the state-dir lock proves we own it
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)
-    try:
-        await sock.bind(path)
-    finally:
-        os.umask(old)
+    await sock.bind(path)
+    os.chmod(path, 0o600)
     sock.listen(CONTROL_CLIENTS_MAX)
     limiter = trio.CapacityLimiter(CONTROL_CLIENTS_MAX)
 
