@@ -74,6 +74,10 @@ LIST_ENTRIES_MAX = 1_000_000  # entries imported from one backend directory
 # --- metadata ---------------------------------------------------------------------
 META_THREADS_MAX = 1  # sqlite: one connection, one thread
 ERRORS_KEPT_MAX = 100  # recent errors shown by `aiturbo status`
+READDIR_BATCH_ENTRIES = 256  # entries one FUSE readdir reads from the metadata engine
+IMPORT_READDIR_BATCH_ENTRIES = 1024  # entries an import reads at once to compare with a listing
+RENAME_READDIR_BATCH_ENTRIES = 512  # entries a renamed tree's walk reads at once
+SEAL_QUEUE_MAX = 1024  # full chunks waiting for the background sealer
 META_BUSY_TIMEOUT_S = 30.0  # sqlite: wait this long for another daemon's write lock
 META_READDIR_ENTRIES_MAX = 4096  # entries one readdir call returns at most
 META_KEYS_PER_STATEMENT_MAX = 500  # keys in one IN (...) list: under sqlite's 999-parameter floor

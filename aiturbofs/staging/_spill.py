@@ -14,6 +14,7 @@ import trio
 
 from .. import chunk
 from .._errors import IntegrityError
+from .._limits import SPILL_IN_FLIGHT_MAX
 from .._threads import background
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ class SpillStore:
     def __init__(self, directory: str):
         self.directory = directory
         os.makedirs(directory, mode=0o700, exist_ok=True)
-        self._limiter = trio.CapacityLimiter(2)
+        self._limiter = trio.CapacityLimiter(SPILL_IN_FLIGHT_MAX)
         self._lengths: dict[bytes, int] = {}
         self._tmp_ids = itertools.count()
         for name in os.listdir(directory):

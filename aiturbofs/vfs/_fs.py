@@ -38,11 +38,14 @@ from .._errors import (
 from .._limits import (
     CHUNK_BYTES,
     CLUSTER_STATE_POLL_S,
+    ERRORS_KEPT_MAX,
     FILE_SIZE_BYTES_MAX,
     HASH_INLINE_BYTES_MAX,
     NAME_BYTES_MAX,
     PREFETCH_TASKS_MAX,
     READ_AHEAD_CHUNKS,
+    READDIR_BATCH_ENTRIES,
+    SEAL_QUEUE_MAX,
     SMALL_BUFFER_BYTES,
     SYMLINK_TARGET_BYTES_MAX,
 )
@@ -58,7 +61,6 @@ from ._persist import Persister
 
 log = logging.getLogger(__name__)
 
-READDIR_BATCH = 256
 
 
 @dataclass(frozen=True)
@@ -151,12 +153,12 @@ class Filesystem:
         self._inodes: dict[int, Inode] = {}
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
-        self._seal_send, self._seal_recv = trio.open_memory_channel(1024)
+        self._seal_send, self._seal_recv = trio.open_memory_channel(SEAL_QUEUE_MAX)
         self._state_changed: dict[int, trio.Event] = {}
         self.persister = Persister(self)
         self.importer = Importer(self)
         self.errors: list[str] = []
-        self.errors_total = 0  # every record_error (the list keeps the last 100): for the metrics
+        self.errors_total = 0  # every record_error (the list keeps the last ERRORS_KEPT_MAX): for the metrics
         self._nursery: trio.Nursery | None = None
         self._prefetching: set[bytes] = set()
 
@@ -176,7 +178,7 @@ class Filesystem:
         log.error("%s", event or message)
         self.errors_total += 1
         self.errors.append(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {message}")
-        del self.errors[: -100]
+        del self.errors[:-ERRORS_KEPT_MAX]
 
     # ================================================================= inodes
     def _cached(self, ino: int) -> Inode | None:
@@ -493,7 +495,7 @@ class Filesystem:
         """Entries after ``offset`` (a token from a previous batch)."""
         if offset == 0:
             await self.importer.refresh(ino)
-        entries = await self.meta.readdir(ino, offset, READDIR_BATCH)
+        entries = await self.meta.readdir(ino, offset, READDIR_BATCH_ENTRIES)
         out = []
         for name, row, token in entries:
             node = self._inodes.get(row.ino)

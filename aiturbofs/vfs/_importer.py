@@ -16,7 +16,7 @@ import time
 import trio
 
 from .._errors import BackendError, Exists, NotFound
-from .._limits import LIST_ENTRIES_MAX, NAME_BYTES_MAX
+from .._limits import IMPORT_READDIR_BATCH_ENTRIES, LIST_ENTRIES_MAX, NAME_BYTES_MAX
 from ..meta import ROOT_INO, STATE_DURABLE, InodeRow
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class Importer:
         existing = {}
         offset = 0
         while True:
-            batch = await meta.readdir(dir_row.ino, offset, 1024)
+            batch = await meta.readdir(dir_row.ino, offset, IMPORT_READDIR_BATCH_ENTRIES)
             if not batch:
                 break
             for name, row, _ in batch:

@@ -57,6 +57,7 @@ from .._limits import (
     PERSIST_SPARE_FILES_MAX,
     READ_RETRY_ATTEMPTS,
     READ_RETRY_FIRST_S,
+    RENAME_READDIR_BATCH_ENTRIES,
 )
 from .._nursery import open_nursery
 from ..backend import ObjectInfo
@@ -191,7 +192,7 @@ class Persister:
                 old_dirs.append(old)
             offset = 0
             while True:
-                entries = await self.meta.readdir(ino, offset, 512)
+                entries = await self.meta.readdir(ino, offset, RENAME_READDIR_BATCH_ENTRIES)
                 if not entries:
                     break
                 offset = entries[-1][2]  # readdir's cookie of the last entry: where the next batch starts
