@@ -364,8 +364,8 @@ class Filesystem:
         A local filesystem refuses such a path at once (ENAMETOOLONG); accepted,
         it would be marked broken at persist, when the backend refuses the key.
         """
-        paths = await self.meta.paths_of(parent)
-        above = len(paths[0].encode("utf-8", "surrogateescape")) + 1 if paths and paths[0] else 0
+        parent_path = await self._path(parent)
+        above = len(parent_path.encode("utf-8", "surrogateescape")) + 1 if parent_path else 0
         if above + len(name) > self.backend.key_bytes_max:
             raise NameTooLong(f"path of {above + len(name)} bytes exceeds the {self.backend.key_bytes_max} "
                               "the backend can name")

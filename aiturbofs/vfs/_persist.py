@@ -81,6 +81,13 @@ ASIDE_PREFIX = ".aiturbo-aside."
 _CONFLICT_ERRNOS = frozenset({errno.EISDIR, errno.ENOTEMPTY, errno.ENOTDIR, errno.EEXIST})
 
 
+def _jittered(backoff_s: float) -> float:
+    """How long a retry sleeps.  Jittered: every file an outage failed at once
+    would otherwise retry in step, a burst of PERSIST_FILES_IN_FLIGHT uploads
+    at each doubling and all of them together when the service comes back."""
+    return backoff_s * random.uniform(1.0 - PERSIST_BACKOFF_JITTER, 1.0)
+
+
 class _Deferred(Exception):
     """Another file must move its object away from our name first."""
 
@@ -395,10 +402,7 @@ class Persister:
                     await self._mark_broken(ino, f"backend unavailable for the whole retry window: {exc}")
                     return
                 self.retries += 1
-                # Jittered: every file an outage failed at once would otherwise
-                # retry in step, a burst of PERSIST_FILES_IN_FLIGHT uploads at
-                # each doubling and all of them together when S3 comes back.
-                sleep_s = backoff * random.uniform(1.0 - PERSIST_BACKOFF_JITTER, 1.0)
+                sleep_s = _jittered(backoff)
                 log.warning("persist_retry path=%s error=%r retry_in_s=%.1f", await self._name(ino), str(exc), sleep_s)
                 with trio.move_on_after(sleep_s):
                     await self._backend_answers.wait()  # another file got through: so may this one
@@ -407,7 +411,7 @@ class Persister:
                 # Not the file's fault, and recording 'broken' needs the metadata
                 # too: wait for the engine however long it takes (no deadline).
                 self.retries += 1
-                sleep_s = backoff * random.uniform(1.0 - PERSIST_BACKOFF_JITTER, 1.0)
+                sleep_s = _jittered(backoff)
                 log.warning("persist_retry ino=%d error=%r retry_in_s=%.1f (metadata engine)", ino, str(exc), sleep_s)
                 await trio.sleep(sleep_s)
                 backoff = min(backoff * 2, PERSIST_BACKOFF_MAX_S)
@@ -888,7 +892,7 @@ class Persister:
                     raise
                 self.read_retries += 1
                 log.info("read_retry key=%s offset=%d error=%r retry_in_s=%.1f", key, offset, str(exc), backoff)
-                await trio.sleep(backoff * random.uniform(1.0 - PERSIST_BACKOFF_JITTER, 1.0))
+                await trio.sleep(_jittered(backoff))
                 backoff *= 2
         raise AssertionError("unreachable")
 
