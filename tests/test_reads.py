@@ -9,7 +9,7 @@ MiB = 1 << 20
 CHUNK = 8 * MiB
 
 
-def _pread_direct(path: str, offset: int, size: int) -> bytes:
+def pread_direct(path: str, offset: int, size: int) -> bytes:
     """One O_DIRECT read: the kernel sends it to the daemon as one request, page cache bypassed."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
@@ -35,5 +35,5 @@ def test_read_straddling_chunks_under_a_full_pool_returns_the_files_bytes(make_m
         w.write(b"x" * MiB)
         w.flush()
         for offset in (CHUNK - 4096, 2 * CHUNK - 65536):
-            got = _pread_direct(path, offset, 2 * 65536)
+            got = pread_direct(path, offset, 2 * 65536)
             assert got == data[offset : offset + 2 * 65536], f"wrong bytes at {offset}"
