@@ -8,6 +8,7 @@ here so a reader can see every limit of the system on one screen.
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
+TiB = 1024 * GiB
 
 # --- chunks -----------------------------------------------------------------
 CHUNK_BITS = 23
@@ -27,7 +28,7 @@ XATTR_VALUE_BYTES_MAX = 64 * KiB
 XATTRS_PER_INODE_MAX = 1024
 READ_AHEAD_KB = 1024  # set on the mount's bdi: doubles sequential reads
 ATTR_TIMEOUT_S = 1.0  # kernel attribute / entry cache lifetime
-FILE_SIZE_BYTES_MAX = 1 << 44  # 16 TiB, like ext4 with 4 KiB blocks
+FILE_SIZE_BYTES_MAX = 16 * TiB  # like ext4 with 4 KiB blocks
 
 # --- staging pool ---------------------------------------------------------------
 POOL_DEFAULT_RAM_FRACTION = 0.25  # default -o dram: a quarter of total RAM
@@ -55,6 +56,9 @@ BACKEND_READ_TIMEOUT_S = 60.0  # S3 socket read; below BACKEND_CALL_TIMEOUT_S so
 BACKEND_COPY_PART_BYTES = 512 * MiB  # whole-object copies done part by part (one backend call each)
 S3_PART_BYTES_MIN = 5 * MiB  # S3 rejects smaller parts except the last
 S3_PARTS_MAX = 10_000  # S3 multipart limit: with CHUNK_BYTES parts an object is at most ~78 GiB
+S3_PART_BYTES_MAX = 5 * GiB  # S3's largest part
+S3_OBJECT_BYTES_MAX = 5 * TiB  # S3's largest object
+PERSIST_WIDE_PARTS_IN_FLIGHT = 2  # parts of several chunks (files over parts_max chunks) assembled in memory at once, node-wide
 S3_COPY_OBJECT_BYTES_MAX = 5 * GiB  # CopyObject limit; larger objects are copied part by part
 S3_PUT_BYTES_MAX = 1 * MiB  # a lone short part is copied on the trio thread and sent as one PutObject
 UPLOAD_TOKEN_BYTES_MAX = 32 * KiB  # a remote-part token or receipt: a key, escaped, plus an UploadId; fits a fabric control body
@@ -77,6 +81,7 @@ ERRORS_KEPT_MAX = 100  # recent errors shown by `aiturbo status`
 READDIR_BATCH_ENTRIES = 256  # entries one FUSE readdir reads from the metadata engine
 IMPORT_READDIR_BATCH_ENTRIES = 1024  # entries an import reads at once to compare with a listing
 RENAME_READDIR_BATCH_ENTRIES = 512  # entries a renamed tree's walk reads at once
+DIRS_TO_CLEAN_MAX = 10_000  # removed directories whose backend directory waits to be removed
 SEAL_QUEUE_MAX = 1024  # full chunks waiting for the background sealer
 META_BUSY_TIMEOUT_S = 30.0  # sqlite: wait this long for another daemon's write lock
 META_READDIR_ENTRIES_MAX = 4096  # entries one readdir call returns at most

@@ -32,8 +32,9 @@ from mounting import REPO, aiturbo, is_mounted, state, wait_state
 from s3server import CREDENTIALS, HOST, S3Server
 
 from aiturbofs import chunk
-from aiturbofs._errors import TransientBackendError
-from aiturbofs._limits import PERSIST_PARTS_IN_FLIGHT
+from aiturbofs._errors import BackendError, TransientBackendError
+from aiturbofs._limits import DIRS_TO_CLEAN_MAX, PERSIST_PARTS_IN_FLIGHT
+from aiturbofs.vfs._cluster import PersistHints
 from aiturbofs.vfs._persist import Persister
 
 MiB = 1 << 20
@@ -582,6 +583,50 @@ def test_outage_mid_persist_recovers_with_bounded_retries(s3m):
     assert_no_bug(m.log())
 
 
+def test_file_of_more_chunks_than_parts_goes_in_wide_parts(s3m):
+    """D4: S3 takes 10,000 parts, so at one 8 MiB chunk a part an object ended
+    at ~78 GiB: a larger file passed close() and was marked broken at persist.
+    ``s3_parts_max=2`` stands in for the limit at test scale: 5 chunks go as 2
+    parts of 3 chunks, holes (chunks never written) as zeros."""
+    m = s3m.mount(s3_parts_max="2")
+    head, tail = os.urandom(CHUNK + 5), os.urandom(CHUNK + 3 * MiB)
+    with open(m.path("big.bin"), "wb") as f:
+        f.write(head)
+        f.seek(3 * CHUNK)  # chunk 1 is partly a hole, chunk 2 wholly
+        f.write(tail)
+    want = head + bytes(3 * CHUNK - len(head)) + tail
+    assert wait_state(m.path("big.bin"), "durable", WAIT_S) == "durable"
+    assert sha(s3m.objects()["big.bin"]) == sha(want)
+    c = s3m.server.client()
+    first = c.head_object(Bucket=s3m.bucket, Key="pre/big.bin", PartNumber=1)
+    assert first["PartsCount"] == 2 and first["ContentLength"] == 3 * CHUNK
+    assert re.search(r"5 chunks exceed the backend's 2 parts; sending 2 parts of 24 MiB", m.log()), m.log()[-3000:]
+    assert get(m.path("big.bin")) == want
+    assert_no_bug(m.log())
+
+
+def test_size_beyond_what_the_backend_holds_is_efbig(s3m):
+    """D4: a file the backend cannot hold is refused at write time (EFBIG), not
+    accepted and broken at persist; up to the limit everything is accepted."""
+    m = s3m.mount(s3_parts_max="1")  # one part of at most 5 GiB: objects of 5 GiB
+    limit = 5 << 30
+    fd = os.open(m.path("f.bin"), os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        with pytest.raises(OSError) as e:
+            os.ftruncate(fd, limit + 1)
+        assert e.value.errno == errno.EFBIG
+        with pytest.raises(OSError) as e:
+            os.pwrite(fd, b"x", limit)
+        assert e.value.errno == errno.EFBIG
+        assert os.pwrite(fd, b"ok", 0) == 2
+    finally:
+        os.close(fd)
+    assert wait_state(m.path("f.bin"), "durable", WAIT_S) == "durable"
+    assert s3m.objects() == {"f.bin": b"ok"}
+    assert "the most the backend can hold" in m.log()
+    assert_no_bug(m.log())
+
+
 def test_parts_failing_together_are_one_transient_error():
     """Regression: parts failing in one outage raised an exception group, which
     the retry loop did not catch: the file was left "persisting", never retried."""
@@ -618,6 +663,80 @@ def test_parts_failing_together_are_one_transient_error():
 
     trio.run(main)
     assert upload.aborted
+
+
+class FakeMeta:
+    """The few metadata calls a persist job makes, on one inode whose version a test moves."""
+
+    def __init__(self, ino: int, version: int):
+        self.row = SimpleNamespace(ino=ino, version=version, nlink=1, state="persisting", backend_keys=[])
+        self.states: list[tuple[str, int | None]] = []
+
+    async def get_inode(self, ino):
+        return self.row
+
+    async def paths_of(self, ino):
+        return ["f.bin"]
+
+    async def set_state(self, ino, state, *, if_version=None, **fields):
+        self.states.append((state, if_version))
+        if if_version is not None and if_version != self.row.version:
+            return False
+        self.row.state = state
+        return True
+
+
+def fake_fs(meta=None):
+    errors = []
+    return SimpleNamespace(meta=meta, pool=None, cluster=None, backend=None, errors=errors,
+                           options=SimpleNamespace(persist_retry_window_s=0.0),
+                           record_error=lambda msg, event=None: errors.append(msg))
+
+
+def test_broken_marks_the_version_that_failed_not_a_newer_one():
+    """D14: version 2 committed between version 1's failed upload and the
+    marking was marked broken (and unpinned) without ever being tried."""
+    meta = FakeMeta(7, version=1)
+    p = Persister(fake_fs(meta))
+
+    async def reconcile(ino):
+        p._trying[ino] = 1  # the job uploads version 1 ...
+        meta.row.version = 2  # ... and a commit lands as its upload fails for good
+        raise BackendError("part 0 of 'f.bin': refused")
+
+    p._reconcile = reconcile
+    trio.run(p._persist_one, 7)
+    assert ("broken", 2) not in meta.states
+    assert meta.row.state != "broken"
+    assert 7 in p._pending  # version 2 gets a job of its own
+    assert p.files_broken == 0
+
+
+def test_finished_jobs_drop_their_round_hints():
+    """D12: the round plan's hints were kept for every grouped commit forever."""
+    p = Persister(fake_fs(FakeMeta(7, version=1)))
+
+    async def reconcile(ino):
+        return None
+
+    p._reconcile = reconcile
+    for ino in range(1, 201):
+        p.set_hints(ino, 1, PersistHints())
+        trio.run(p._persist_one, ino)
+    assert p._hints == {}
+
+
+def test_directory_cleanups_are_bounded_and_deduplicated(caplog):
+    """D12: every removed directory queued a backend cleanup, without bound
+    while the backend hung, and the same path once per removal."""
+    p = Persister(fake_fs())
+    for _ in range(3):
+        p.enqueue_dir_cleanup("ckpt/step-1")
+    assert list(p._dirs_to_clean) == ["ckpt/step-1"]
+    for i in range(DIRS_TO_CLEAN_MAX + 5):
+        p.enqueue_dir_cleanup(f"d/{i}")
+    assert len(p._dirs_to_clean) == DIRS_TO_CLEAN_MAX
+    assert "directory removals already wait for the backend" in caplog.text
 
 
 # ---------------------------------------------------------------- errors stay errors

@@ -35,6 +35,7 @@ from .._limits import (
     BACKEND_CALL_TIMEOUT_S,
     BACKEND_COPY_PART_BYTES,
     CHUNK_BYTES,
+    FILE_SIZE_BYTES_MAX,
     PATH_BYTES_MAX,
     UPLOAD_TOKEN_BYTES_MAX,
 )
@@ -459,6 +460,8 @@ class Backend(ABC):
     supports_server_copy: bool = False  # copy_part and copy move no bytes through this process
     supports_remote_parts: bool = False  # Upload.token / write_remote_part work (see Upload)
     key_bytes_max: int = PATH_BYTES_MAX  # the longest key (UTF-8 bytes) the store can name
+    object_bytes_max: int = FILE_SIZE_BYTES_MAX  # the largest object the store can hold
+    parts_max: int | None = None  # the most parts one Upload may have (None: no limit)
 
     @classmethod
     @abstractmethod

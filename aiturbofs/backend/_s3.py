@@ -50,6 +50,8 @@ from .._limits import (
     LIST_ENTRIES_MAX,
     S3_COPY_OBJECT_BYTES_MAX,
     S3_KEY_BYTES_MAX,
+    S3_OBJECT_BYTES_MAX,
+    S3_PART_BYTES_MAX,
     S3_PART_BYTES_MIN,
     S3_PARTS_MAX,
     S3_PUT_BYTES_MAX,
@@ -174,6 +176,8 @@ class S3Backend(Backend):
     Options: ``s3_endpoint`` (endpoint URL), ``s3_region``, ``s3_anon``,
     ``s3_key`` / ``s3_secret`` (else AWS_* env vars and the boto chain),
     ``s3_connect_timeout`` (seconds, default BACKEND_CONNECT_TIMEOUT_S),
+    ``s3_parts_max`` (the most parts of one multipart upload, default
+    S3_PARTS_MAX: lower it for S3-compatible stores that allow fewer),
     ``call_timeout_s``.  ``makedirs`` and ``remove_dir`` are no-ops: S3 has
     no directories.  ``move`` is a copy then a delete, not atomic.  Where an
     object ``a`` and a prefix ``a/`` both exist, ``list_dir`` returns both.
@@ -182,12 +186,18 @@ class S3Backend(Backend):
     supports_server_copy = True  # CopyObject / UploadPartCopy
     supports_remote_parts = True  # UploadPart with the owner's UploadId
     list_page_keys = 1000  # S3's own maximum; tests lower it to exercise paging
-    _OPTIONS = {"s3_endpoint", "s3_region", "s3_anon", "s3_key", "s3_secret", "s3_connect_timeout", "call_timeout_s"}
+    _OPTIONS = {"s3_endpoint", "s3_region", "s3_anon", "s3_key", "s3_secret", "s3_connect_timeout", "s3_parts_max",
+                "call_timeout_s"}
 
-    def __init__(self, fs: s3fs.S3FileSystem, bucket: str, prefix: str, timeout_s: float):
+    def __init__(self, fs: s3fs.S3FileSystem, bucket: str, prefix: str, timeout_s: float,
+                 parts_max: int = S3_PARTS_MAX):
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
         # S3 names objects of up to 1024 bytes, the prefix and its slash included
         self.key_bytes_max = S3_KEY_BYTES_MAX - (len(prefix.encode()) + 1 if prefix else 0)
+        # An upload of more chunks than parts_max sends parts of several chunks
+        # (the persister's wide parts), up to S3's 5 GiB a part.
+        self.parts_max: int = parts_max
+        self.object_bytes_max = min(S3_OBJECT_BYTES_MAX, parts_max * S3_PART_BYTES_MAX)
         self._fs = fs
         self._bucket = bucket
         self._prefix = prefix
@@ -209,7 +219,7 @@ class S3Backend(Backend):
         """
         take_options(options, cls._OPTIONS, "s3")
         bucket, prefix = _parse_url(url)
-        backend = cls(_make_fs(options), bucket, prefix, timeout_option(options))
+        backend = cls(_make_fs(options), bucket, prefix, timeout_option(options), _parts_max_option(options))
         await backend._check_bucket(options.get("s3_endpoint") or "AWS")
         return backend
 
@@ -258,7 +268,7 @@ class S3Backend(Backend):
         root, upload_id = parse_token(token, "s3", key, part_bytes, "root", "upload_id")
         if root != self.url:  # the same key under another bucket or prefix is another object
             raise InvalidArgument(f"upload token of {key!r} is for {root}, not {self.url}")
-        _check_part_number(key, index, part_bytes)
+        _check_part_number(key, index, part_bytes, self.parts_max)
         return await self._upload_part(f"write remote part {index} of {key!r}", key, upload_id, index, data)
 
     async def copy(self, src: str, dst: str) -> None:
@@ -413,8 +423,8 @@ class S3Upload(Upload):
 
     A short part 0 (under S3_PUT_BYTES_MAX) is the whole object: it is copied
     and sent as one PutObject at ``complete``, which saves two requests per
-    small file.  Parts are capped at S3_PARTS_MAX (``BackendError`` with
-    EFBIG beyond).
+    small file.  Parts are capped at the backend's ``parts_max`` (``BackendError``
+    with EFBIG beyond).
     """
 
     def __init__(self, backend: S3Backend, key: str, part_bytes: int):
@@ -429,7 +439,7 @@ class S3Upload(Upload):
         self._published = False
 
     async def _write_part(self, index: int, data: Buffer) -> None:
-        _check_part_number(self.key, index, self.part_bytes)
+        _check_part_number(self.key, index, self.part_bytes, self._b.parts_max)
         if index == 0 and len(data) < min(self.part_bytes, S3_PUT_BYTES_MAX):
             self._small = bytes(data)  # data is only borrowed until we return
             self._etags.pop(0, None)
@@ -439,7 +449,7 @@ class S3Upload(Upload):
         self._store_etag(index, etag)
 
     async def _copy_part(self, index: int, src_key: str, offset: int, length: int, if_etag: str | None) -> None:
-        _check_part_number(self.key, index, self.part_bytes)
+        _check_part_number(self.key, index, self.part_bytes, self._b.parts_max)
         what = f"copy {src_key!r}[{offset}:{offset + length}] to part {index} of {self.key!r}"
         await self._check_source(what, src_key, offset + length, if_etag)
         upload_id = await self._multipart_id()
@@ -462,7 +472,7 @@ class S3Upload(Upload):
         return make_token("s3", self.key, self.part_bytes, root=self._b.url, upload_id=upload_id)
 
     def _add_remote_part(self, index: int, length: int, receipt: str) -> None:
-        _check_part_number(self.key, index, self.part_bytes)
+        _check_part_number(self.key, index, self.part_bytes, self._b.parts_max)
         if self._upload_id is None:
             raise ValueError(f"remote part {index} of {self.key!r} added before any token was handed out")
         self._store_etag(index, receipt)
@@ -554,12 +564,25 @@ class S3Upload(Upload):
 # --- pure helpers ---------------------------------------------------------------------------
 
 
-def _check_part_number(key: str, index: int, part_bytes: int) -> None:
-    if index >= S3_PARTS_MAX:
+def _check_part_number(key: str, index: int, part_bytes: int, parts_max: int) -> None:
+    if index >= parts_max:
         raise BackendError(
-            f"{key!r}: part {index} is beyond S3's {S3_PARTS_MAX} parts ({S3_PARTS_MAX * part_bytes} bytes at most)",
+            f"{key!r}: part {index} is beyond the store's {parts_max} parts ({parts_max * part_bytes} bytes at most)",
             errno_=errno.EFBIG,
         )
+    if part_bytes > S3_PART_BYTES_MAX:
+        raise ValueError(f"{key!r}: parts of {part_bytes} bytes exceed S3's {S3_PART_BYTES_MAX}")
+
+
+def _parts_max_option(options: dict[str, Any]) -> int:
+    value = options.get("s3_parts_max", S3_PARTS_MAX)
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"backend option s3_parts_max={value!r} is not a whole number") from None
+    if not 1 <= number <= S3_PARTS_MAX:
+        raise ConfigError(f"backend option s3_parts_max={value!r} must be 1..{S3_PARTS_MAX}")
+    return number
 
 
 def _parse_url(url: str) -> tuple[str, str]:

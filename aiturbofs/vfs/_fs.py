@@ -147,6 +147,9 @@ class Filesystem:
         self.meta = meta
         self.cluster = cluster
         self.backend = backend
+        # The largest file a write or truncate may make: what the backend can
+        # hold (S3: 5 TiB), refused at once (EFBIG) rather than broken at persist.
+        self.size_max = min(FILE_SIZE_BYTES_MAX, getattr(backend, "object_bytes_max", FILE_SIZE_BYTES_MAX))
         self.pool = pool
         self.options = options
         self._reporter = reporter
@@ -319,8 +322,8 @@ class Filesystem:
         if size is not None:
             if not stat.S_ISREG(node.row.mode):
                 raise IsADirectory("truncate of a non-regular file") if stat.S_ISDIR(node.row.mode) else InvalidArgument("truncate of a non-regular file")
-            if size > FILE_SIZE_BYTES_MAX:
-                raise FileTooBig(f"size {size} exceeds {FILE_SIZE_BYTES_MAX}")
+            if size > self.size_max:
+                raise FileTooBig(f"size {size} exceeds {self.size_max}, the most the backend can hold")
             content = await self._content(node)
             if size and node.row.manifest is None and any(s is not None and s.is_external for s in content.slots):
                 # an imported file gets its manifest first, as open for
@@ -659,8 +662,8 @@ class Filesystem:
         node = handle.inode
         content = node.file
         length = len(data)
-        if offset + length > FILE_SIZE_BYTES_MAX:
-            raise FileTooBig(f"write past {FILE_SIZE_BYTES_MAX} bytes")
+        if offset + length > self.size_max:
+            raise FileTooBig(f"write past {self.size_max} bytes, the most the backend can hold")
         if offset >= content.size and content.size % CHUNK_BYTES:
             last = (content.size - 1) // CHUNK_BYTES
             slot = content.slot_at(last)

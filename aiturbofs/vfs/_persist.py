@@ -19,6 +19,7 @@ only deleted if no live inode's path names it.
 
 import collections
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -48,6 +49,7 @@ from .._limits import (
     CHUNK_BYTES,
     CLUSTER_SOURCE_POLL_S,
     CLUSTER_SOURCE_WAIT_S,
+    DIRS_TO_CLEAN_MAX,
     PERSIST_BACKOFF_FIRST_S,
     PERSIST_BACKOFF_JITTER,
     PERSIST_BACKOFF_MAX_S,
@@ -55,6 +57,7 @@ from .._limits import (
     PERSIST_PARTS_IN_FLIGHT,
     PERSIST_PARTS_UNPOOLED_MAX,
     PERSIST_SPARE_FILES_MAX,
+    PERSIST_WIDE_PARTS_IN_FLIGHT,
     READ_RETRY_ATTEMPTS,
     READ_RETRY_FIRST_S,
     RENAME_READDIR_BATCH_ENTRIES,
@@ -121,7 +124,9 @@ class Persister:
         self._pending: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._running: set[int] = set()
         self._rerun: set[int] = set()
-        self._dirs_to_clean: list[str] = []
+        # Backend directories of removed directories, oldest first (see
+        # enqueue_dir_cleanup); a path queued twice is cleaned once.
+        self._dirs_to_clean: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._work = trio.Event()
         self._idle = trio.Event()
         self._idle.set()
@@ -137,6 +142,7 @@ class Persister:
         # own job changes its keys, and a job start or a new enqueue forgets them.
         self._moved: dict[int, object] = {}
         self._defers: dict[int, int] = {}  # inode -> deferrals in a row (see _defer)
+        self._trying: dict[int, int] = {}  # inode -> the version its running job uploads
         # Cluster: how the round plan splits an inode's upload, for one version.
         self._hints: dict[int, tuple[int, PersistHints]] = {}
         self._copy_warned = False
@@ -158,6 +164,9 @@ class Persister:
         # part in flight doing that, the daemon could hold 16 such chunks
         # (128 MiB) beyond ``-o dram``.  This bounds them (see docs/memory.md).
         self._unpooled_parts = trio.Semaphore(PERSIST_PARTS_UNPOOLED_MAX)
+        # Wide parts (files of more chunks than the backend has parts) are
+        # assembled in a buffer of their own, outside the pool: bounded node-wide.
+        self._wide_parts = trio.Semaphore(PERSIST_WIDE_PARTS_IN_FLIGHT)
         self._nursery: trio.Nursery | None = None
         self._files_waiting = 0  # files in flight whose parts wait for another file's copy
         self._spares = 0  # spare uploads running (see _waiting_for_source)
@@ -212,8 +221,18 @@ class Persister:
             self.enqueue_dir_cleanup(old)
 
     def enqueue_dir_cleanup(self, path: str) -> None:
-        """Remove the (now empty) backend directory of a removed directory."""
-        self._dirs_to_clean.append(path)
+        """Remove the (now empty) backend directory of a removed directory.
+
+        At most DIRS_TO_CLEAN_MAX wait (the backend may hang for a long
+        outage while a job removes directories): beyond that a cleanup is
+        dropped with a log line, which leaves an empty backend directory
+        behind, as a failed removal does (the next import may show it again).
+        """
+        if path not in self._dirs_to_clean and len(self._dirs_to_clean) >= DIRS_TO_CLEAN_MAX:
+            log.warning("backend directory %s left in place: %d directory removals already wait for the backend",
+                        path, len(self._dirs_to_clean))
+            return
+        self._dirs_to_clean[path] = None
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self._wake()
 
@@ -289,26 +308,29 @@ class Persister:
             self.fs.record_error(f"internal error persisting inode {ino}: {exc!r}")
         finally:
             self._running.discard(ino)
+            self._trying.pop(ino, None)
             if ino in self._rerun:
                 self._rerun.discard(ino)
                 self._pending[ino] = None
             else:
                 self._moved.pop(ino, None)  # reconciled: its objects are at its names
                 self._defers.pop(ino, None)
+                if ino not in self._pending:
+                    self._hints.pop(ino, None)  # its version is done (durable, broken or gone)
             self._wake()
 
     async def _dir_cleaner(self) -> None:
         while True:
             while not self._dirs_to_clean:
                 await self._work.wait()
-            path = self._dirs_to_clean[0]  # popped when done: drain waits for it
+            path = next(iter(self._dirs_to_clean))  # popped when done: drain waits for it
             try:
                 async with self.ns_lock:
                     await self.backend.remove_dir(path)
                     self._note_vacated(path)
             except BackendError as exc:
                 log.info("backend directory %s not removed: %s", path, exc)
-            del self._dirs_to_clean[0]
+            self._dirs_to_clean.pop(path, None)
             self._wake()
 
     async def drain(self, timeout_s: float) -> list[int]:
@@ -432,9 +454,25 @@ class Persister:
         self.fs.record_error(f"{name} is broken: {why}", event=f"broken path={name} reason={why!r}")
 
     async def _mark_broken(self, ino: int, why: str) -> None:
-        row = await self.meta.get_inode(ino)
+        """Mark the version whose upload failed broken; a newer one is persisted instead.
+
+        A commit may land between the failure and this (every await here is
+        a chance): marking the inode's current version would break and
+        unpin a good version that was never tried.
+        """
+        failed = self._trying.get(ino)
+        try:
+            row = await self.meta.get_inode(ino)
+        except NotFound:
+            return  # removed meanwhile: nothing left to mark
         name = await self._name(ino)
-        await self.meta.set_state(ino, STATE_BROKEN, if_version=row.version)
+        if failed is None:
+            failed = row.version
+        if row.version != failed or not await self.meta.set_state(ino, STATE_BROKEN, if_version=failed):
+            log.info("persist of %s version %d failed (%s); version %d was committed since: persisting that",
+                     name, failed, why, (await self.meta.get_inode(ino)).version)
+            self.enqueue(ino)  # reruns after this job
+            return
         self.files_broken += 1
         self._record_broken(name, why)
         row = await self.meta.get_inode(ino)
@@ -464,6 +502,7 @@ class Persister:
             if row.state != STATE_DURABLE or row.persisted_version != row.version:
                 if not self._mine(row):
                     return  # its owner uploads it (and then reconciles the names it finds)
+                self._trying[ino] = row.version  # what _mark_broken marks if this fails for good
                 try:
                     uploaded = await self._upload_version(row, paths)
                 except (BackendError, IntegrityError):
@@ -657,25 +696,80 @@ class Persister:
     async def _upload(self, row, key: str):
         keys = chunk.unpack_manifest(row.manifest or b"")
         n = chunk.chunk_count(row.size)
+        wide = self._chunks_per_part(n)
+        if wide > 1:
+            return await self._upload_wide(row, key, keys[:n], wide)
         parts = await self._part_plan(row, key, keys[:n])
         upload = await self.backend.open_upload(key)
         order, senders = self._part_order(n, parts)
         # PERSIST_PARTS_IN_FLIGHT per node that sends parts: each node's storage
         # link is busy, not four parts queued on one link while the others idle.
         limiter = trio.Semaphore(PERSIST_PARTS_IN_FLIGHT * senders)
-        try:
+        async with self._aborted_on_error(upload):
             async with open_nursery() as nursery:  # an outage failing every part is one error (one_error)
                 for index in order:
                     await limiter.acquire()
                     nursery.start_soon(self._upload_part, upload, row, keys[index], index, limiter, parts)
+        return upload  # every part sent; the caller publishes it (complete) or aborts
+
+    @asynccontextmanager
+    async def _aborted_on_error(self, upload):
+        """Abort ``upload`` (shielded) if the block raises; the error goes on."""
+        try:
+            yield
         except BaseException:
             with trio.CancelScope(shield=True):
                 try:
                     await upload.abort()
                 except AiturboError as exc:
-                    log.warning("abort of upload to %s failed: %s", key, exc)
+                    log.warning("abort of upload to %s failed: %s", upload.key, exc)
             raise
-        return upload  # every part sent; the caller publishes it (complete) or aborts
+
+    def _chunks_per_part(self, chunks: int) -> int:
+        """Chunks per upload part: 1, or more where the backend has fewer parts than the file chunks."""
+        parts_max = getattr(self.backend, "parts_max", None)
+        if parts_max is None or chunks <= parts_max:
+            return 1
+        return -(-chunks // parts_max)
+
+    async def _upload_wide(self, row, key: str, keys: list[bytes], wide: int):
+        """Upload a file of more chunks than the backend allows parts, ``wide`` chunks a part.
+
+        S3 takes at most 10,000 parts: with one 8 MiB chunk a part an object
+        ends at ~78 GiB, while S3 holds 5 TiB.  Each part's chunks are copied
+        into one buffer (PERSIST_WIDE_PARTS_IN_FLIGHT of them node-wide) and
+        sent as one part.  Such files get no server-side copies (dedup) nor
+        parts sent by other nodes: those work chunk by chunk.
+        """
+        part_bytes = wide * CHUNK_BYTES
+        count = -(-row.size // part_bytes)
+        log.info("upload of %s: %d chunks exceed the backend's %d parts; sending %d parts of %d MiB",
+                 key, len(keys), self.backend.parts_max, count, part_bytes // (1 << 20))
+        upload = await self.backend.open_upload(key, part_bytes=part_bytes)
+        async with self._aborted_on_error(upload):
+            async with open_nursery() as nursery:
+                for index in range(count):
+                    await self._wide_parts.acquire()
+                    nursery.start_soon(self._upload_wide_part, upload, row, keys, index, wide)
+        return upload
+
+    async def _upload_wide_part(self, upload, row, keys: list[bytes], index: int, wide: int) -> None:
+        try:
+            first = index * wide
+            buf = bytearray(min(upload.part_bytes, row.size - first * CHUNK_BYTES))
+            for i in range(first, min(first + wide, len(keys))):
+                key = keys[i]
+                if key == chunk.HOLE:
+                    continue  # zeros already
+                length = chunk.chunk_length(row.size, i)
+                at = (i - first) * CHUNK_BYTES
+                fetch = functools.partial(self._fetch_previous, row, i, key, length)
+                async with self._part_memory(key), self.pool.lease(key, fetch) as view:
+                    buf[at:at + length] = view
+            await upload.write_part(index, buf)
+            self.bytes_uploaded += len(buf)
+        finally:
+            self._wide_parts.release()
 
     @staticmethod
     def _part_order(n: int, parts: "_PartPlan | None") -> tuple[list[int], int]:
