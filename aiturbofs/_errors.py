@@ -149,6 +149,16 @@ class PeerBroken(AiturboError):
     errno = errno.EIO
 
 
+class PeerSlow(AiturboError):
+    """A fabric peer did not answer one long request in time; the connection stays up.
+
+    Only for calls made with ``keep_on_timeout`` (work that may take long on
+    the peer, such as an upload to the backend): its late reply is dropped.
+    """
+
+    errno = errno.ETIMEDOUT
+
+
 class PeerClosed(AiturboError):
     """A call on a fabric peer that this node itself closed (a bug or a shutdown race)."""
 

@@ -127,6 +127,7 @@ FABRIC_RECEIVE_BYTES = 256 * KiB  # one receive from a stream (bounds per-call a
 FABRIC_CONNECT_TIMEOUT_S = 5.0  # open a connection to a peer
 FABRIC_HANDSHAKE_TIMEOUT_S = 5.0  # the whole authentication exchange, on either side
 FABRIC_CALL_TIMEOUT_S = 30.0  # default per-call bound for get/put/control (an 8 MiB chunk on a slow link)
+PEER_UPLOAD_PART_TIMEOUT_S = 150.0  # a part another node's plan gives us: fetch it, send it to the backend
 FABRIC_PING_TIMEOUT_S = 5.0  # default bound for ping()
 FABRIC_SEND_TIMEOUT_S = 30.0  # a server's reply that the peer does not take in this long breaks the connection
 FABRIC_ERROR_SEND_TIMEOUT_S = 1.0  # best-effort ERROR frame before closing a misbehaving connection

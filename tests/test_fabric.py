@@ -32,6 +32,7 @@ from aiturbofs._errors import (
     NotFound,
     PeerBroken,
     PeerClosed,
+    PeerSlow,
     RemoteError,
 )
 from aiturbofs._limits import (
@@ -133,6 +134,8 @@ class Store:
             raise NotFound("no such thing")
         if body.get("op") == "crash":  # a handler's bug or a race (a spill file gone mid-read)
             raise FileNotFoundError(2, "No such file or directory", "spill/ab12")
+        if body.get("op") == "slow":  # an upload to a slow backend on the peer's side
+            await trio.sleep(body["s"])
         return {"echo": body, "from": peer.node}
 
 
@@ -226,6 +229,33 @@ class TransportConformance:
                 assert peer.state == "open"
                 assert (await peer.control({"op": "again"}))["echo"] == {"op": "again"}
                 assert await peer.ping() >= 0
+
+        run(main)
+
+    def test_a_slow_long_call_fails_alone_and_keeps_the_connection(self, make_transport):
+        # D13: one slow upload_part (a slow backend on the peer) timed out and
+        # broke the connection every other call of the two nodes shared.
+        async def main():
+            async with self.serving(make_transport, Store()) as (_, address, _), make_transport("client", SECRET) as client:
+                peer = await client.connect(address)
+                async with trio.open_nursery() as nursery:
+                    others = []
+
+                    async def meanwhile():
+                        for _ in range(5):
+                            others.append(await peer.ping())
+                            await trio.sleep(0.05)
+
+                    nursery.start_soon(meanwhile)
+                    with pytest.raises(PeerSlow, match="no reply to CONTROL within 0.5 s"):
+                        await peer.control({"op": "slow", "s": 1.5}, timeout=0.5, keep_on_timeout=True)
+                assert len(others) == 5 and peer.state == "open"
+                await trio.sleep(1.2)  # its late reply arrives and is dropped
+                assert (await peer.control({"op": "again"}))["echo"] == {"op": "again"}
+                assert peer.state == "open"
+                with pytest.raises(PeerBroken):  # without the flag a silent peer is a hung one
+                    await peer.control({"op": "slow", "s": 5}, timeout=0.3)
+                assert peer.state == "broken"
 
         run(main)
 

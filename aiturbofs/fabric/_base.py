@@ -89,8 +89,14 @@ class Peer(ABC):
         """Store a chunk on the peer: True if it took it, False if it refused or it arrived corrupt."""
 
     @abstractmethod
-    async def control(self, body: dict, *, timeout: float = FABRIC_CALL_TIMEOUT_S) -> dict:
-        """Send a control message to the peer's handler; returns its answer."""
+    async def control(self, body: dict, *, timeout: float = FABRIC_CALL_TIMEOUT_S, keep_on_timeout: bool = False) -> dict:
+        """Send a control message to the peer's handler; returns its answer.
+
+        No answer within ``timeout`` breaks the connection (``PeerBroken``: a
+        hung peer), unless ``keep_on_timeout``: then, once the request is out,
+        only this call fails (``PeerSlow``), for work that is slow on the peer
+        while the link is fine.
+        """
 
     @abstractmethod
     async def ping(self, *, timeout: float = FABRIC_PING_TIMEOUT_S) -> float:

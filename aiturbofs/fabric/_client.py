@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import trio
 
-from .._errors import AiturboError, IntegrityError, PeerBroken, PeerClosed, RemoteError
+from .._errors import AiturboError, IntegrityError, PeerBroken, PeerClosed, PeerSlow, RemoteError
 from .._limits import CHUNK_BYTES, FABRIC_CALL_TIMEOUT_S, FABRIC_PING_TIMEOUT_S, FABRIC_SEND_TIMEOUT_S, HASH_BYTES
 from ._base import Peer, PeerCounters, PeerInfo
 from ._streams import log, stream_errors, verify_chunk
@@ -81,8 +81,9 @@ class StreamPeer(Peer):
         self.counters.chunks_sent += 1
         return True
 
-    async def control(self, body: dict, *, timeout: float = FABRIC_CALL_TIMEOUT_S) -> dict:
-        reply = await self._call(FrameType.CONTROL, b"", encode_json(body), timeout, {FrameType.CONTROL_REPLY})
+    async def control(self, body: dict, *, timeout: float = FABRIC_CALL_TIMEOUT_S, keep_on_timeout: bool = False) -> dict:
+        reply = await self._call(FrameType.CONTROL, b"", encode_json(body), timeout, {FrameType.CONTROL_REPLY},
+                                 keep_on_timeout=keep_on_timeout)
         try:
             return decode_json(reply.body)
         except ValueError as e:
@@ -144,9 +145,11 @@ class StreamPeer(Peer):
             self._fail(PeerBroken, str(e))
             self._raise()
 
-    async def _call(self, ftype: FrameType, key: bytes, body, timeout: float, expected: set[FrameType], call: _Call | None = None) -> Frame:
+    async def _call(self, ftype: FrameType, key: bytes, body, timeout: float, expected: set[FrameType],
+                    call: _Call | None = None, *, keep_on_timeout: bool = False) -> Frame:
         """Send one request and wait for its reply.  ``call`` (optional) lets the caller
-        see, even after a cancellation, whether the request went out and was answered."""
+        see, even after a cancellation, whether the request went out and was answered.
+        ``keep_on_timeout``: see ``Peer.control``."""
         if self._failure is not None:
             self._raise()
         call = call or _Call()
@@ -164,7 +167,12 @@ class StreamPeer(Peer):
                     finally:
                         self._calls.pop(request_id, None)
         except trio.TooSlowError:
-            self._fail(PeerBroken, f"{self.info.node!r} at {self.info.address}: no reply to {ftype.name} within {timeout} s")
+            what = f"{self.info.node!r} at {self.info.address}: no reply to {ftype.name} within {timeout} s"
+            if keep_on_timeout and call.sent and self._failure is None:
+                # The frame went out whole (a half-sent one breaks the stream
+                # in _send): the stream is sound, the peer is only slow.
+                raise PeerSlow(what) from None
+            self._fail(PeerBroken, what)
             self._raise()
         if call.error is not None:
             raise call.error

@@ -45,6 +45,7 @@ from .._limits import (
     CLUSTER_UNREACHABLE_RETRY_S,
     FABRIC_CALL_TIMEOUT_S,
     HASH_BYTES,
+    PEER_UPLOAD_PART_TIMEOUT_S,
 )
 from .._nursery import open_nursery
 from ..fabric import Peer, PeerInfo, Transport, format_address, parse_address
@@ -381,7 +382,9 @@ class ClusterNode:
         reply = await peer.control(
             {"op": "upload_part", "backend_key": backend_key, "token": token, "index": index,
              "key": key.hex(), "length": length, "holders": holders},
-            timeout=FABRIC_CALL_TIMEOUT_S,
+            # The peer gives up at PEER_UPLOAD_PART_TIMEOUT_S; a slow backend
+            # fails this call alone, not the connection every other call shares.
+            timeout=PEER_UPLOAD_PART_TIMEOUT_S + FABRIC_CALL_TIMEOUT_S, keep_on_timeout=True,
         )
         return str(reply["receipt"])
 

@@ -42,6 +42,7 @@ from .._errors import (
     NotSupported,
     PeerBroken,
     PeerClosed,
+    PeerSlow,
     RemoteError,
     TransientBackendError,
 )
@@ -50,6 +51,7 @@ from .._limits import (
     CLUSTER_SOURCE_POLL_S,
     CLUSTER_SOURCE_WAIT_S,
     DIRS_TO_CLEAN_MAX,
+    PEER_UPLOAD_PART_TIMEOUT_S,
     PERSIST_BACKOFF_FIRST_S,
     PERSIST_BACKOFF_JITTER,
     PERSIST_BACKOFF_MAX_S,
@@ -886,7 +888,7 @@ class Persister:
             receipt = await cluster.upload_part(node, parts.target, parts.token, index, key, length, row.holders)
         except TransientBackendError:
             raise
-        except (PeerBroken, PeerClosed, RemoteError, NotSupported, BackendError) as exc:
+        except (PeerBroken, PeerSlow, PeerClosed, RemoteError, NotSupported, BackendError) as exc:
             log.warning("node %r did not upload part %d of %s (%s); sending it from here", node, index, parts.target, exc)
             return False
         upload.add_remote_part(index, length, receipt)
@@ -900,10 +902,15 @@ class Persister:
                 raise IntegrityError(f"chunk {key.hex()[:16]}… for part {index} of {backend_key} is on no holder")
             return data
 
-        async with self.pool.lease(key, fetch) as view:
-            if len(view) != length:
-                raise IntegrityError(f"chunk {key.hex()[:16]}… has {len(view)} bytes, the part needs {length}")
-            receipt = await self.backend.write_remote_part(backend_key, token, index, view)
+        # Bounded here, so that no part write of ours lands after the owner
+        # stopped waiting (it waits PEER_UPLOAD_PART_TIMEOUT_S and a margin).
+        with trio.move_on_after(PEER_UPLOAD_PART_TIMEOUT_S) as scope:
+            async with self.pool.lease(key, fetch) as view:
+                if len(view) != length:
+                    raise IntegrityError(f"chunk {key.hex()[:16]}… has {len(view)} bytes, the part needs {length}")
+                receipt = await self.backend.write_remote_part(backend_key, token, index, view)
+        if scope.cancelled_caught:
+            raise TransientBackendError(f"part {index} of {backend_key}: not sent within {PEER_UPLOAD_PART_TIMEOUT_S:.0f} s")
         self.bytes_uploaded += length
         self.bytes_uploaded_for_peers += length
         return receipt
