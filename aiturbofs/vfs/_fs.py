@@ -202,8 +202,15 @@ class Filesystem:
         return row
 
     async def _refresh(self, node: Inode) -> InodeRow:
-        """Re-read the row from the metadata engine (close-to-open)."""
+        """Re-read the row from the metadata engine (close-to-open).
+
+        A row older than the one held (a commit landed while it was read)
+        is not taken: it would turn a just-committed file back into its
+        previous, durable version, and sync_close would return at once.
+        """
         row = await self.meta.get_inode(node.ino)
+        if row.version < node.row.version:
+            return node.row
         if node.live:
             row.size = node.file.size
             row.mtime_ns = node.row.mtime_ns
@@ -580,7 +587,8 @@ class Filesystem:
         if node.opens == 0 and (node.content is None or not node.content.dirty):
             await self._refresh(node)  # close-to-open: see the latest commit
             content = node.content
-            if self.cluster is not None and content is not None and (
+            # Checked again after the await: an open meanwhile may be writing.
+            if self.cluster is not None and content is not None and node.opens == 0 and not content.dirty and (
                 content.size != node.row.size or content.manifest() != node.row.manifest
             ):
                 self._drop_content(node)  # another node committed a newer version
@@ -713,6 +721,8 @@ class Filesystem:
             want = max(end, valid)
             cap = CHUNK_BYTES if (want > SMALL_BUFFER_BYTES or index > 0) else max(4096, 1 << (want - 1).bit_length())
             buf = await self.pool.alloc(cap)
+            # A truncate (which takes no lock) may have shortened the slots while we waited.
+            content.ensure_slots(index)
             slot = content.slots[index]  # may have changed while we waited
             if slot is not None and slot.buf is not None and len(slot.buf) >= end:
                 self.pool.release(buf)
@@ -722,9 +732,11 @@ class Filesystem:
             except BaseException:
                 self.pool.release(buf)
                 raise
+            content.ensure_slots(index)
             slot = content.slots[index]
             new = Slot(buf=buf)
-            new.filled = filled
+            # (a truncate during the fill's await cut the chunk: its old bytes past the cut are gone)
+            new.filled = min(filled, chunk.chunk_length(content.size, index))
             content.slots[index] = new
             self._free_slot(slot, node)
             return new

@@ -1,0 +1,164 @@
+"""Races across awaits inside the filesystem (issue: reads are never wrong).
+
+Each test drives one ``Filesystem`` in-process (SQLite metadata, a file://
+backend, a small pool) and holds one coroutine at an await with a gate, so
+that another request runs exactly there: the interleavings the kernel's
+concurrent requests produce now and then, made certain.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import asynccontextmanager
+from types import SimpleNamespace
+
+import trio
+
+from aiturbofs.backend import open_backend
+from aiturbofs.meta import ROOT_INO, STATE_DURABLE, open_meta
+from aiturbofs.staging import SpillStore, StagingPool
+from aiturbofs.vfs import Filesystem, VfsOptions
+
+MiB = 1 << 20
+CHUNK = 8 * MiB
+UID, GID = os.getuid(), os.getgid()
+
+
+@asynccontextmanager
+async def filesystem(tmp_path, *, dram: int = 64 * MiB):
+    meta = open_meta(f"sqlite:///{tmp_path}/meta.db")
+    await meta.init(root_uid=UID, root_gid=GID, root_mode=0o40755)
+    os.makedirs(tmp_path / "backend", exist_ok=True)
+    backend = await open_backend(f"file://{tmp_path}/backend", {})
+    pool = StagingPool(dram, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+    fs = Filesystem(meta, backend, pool, VfsOptions(owner_uid=UID, owner_gid=GID))
+    try:
+        async with trio.open_nursery() as nursery:
+            await fs.start(nursery)
+            yield fs
+            nursery.cancel_scope.cancel()
+    finally:
+        await meta.close()
+
+
+class Gate:
+    """Holds the next call of ``obj.name`` for inode ``ino`` after it ran, until ``open()``."""
+
+    def __init__(self, obj, name: str, ino: int):
+        self.entered, self.released = trio.Event(), trio.Event()
+        real = getattr(obj, name)
+
+        async def gated(i, *args, **kwargs):
+            result = await real(i, *args, **kwargs)
+            if i == ino and not self.entered.is_set():
+                self.entered.set()
+                await self.released.wait()
+            return result
+
+        setattr(obj, name, gated)
+
+    def open(self) -> None:
+        self.released.set()
+
+
+async def bounded(main):
+    with trio.fail_after(60):  # a lost wakeup fails the test instead of hanging the suite
+        await main()
+
+
+async def durable_file(fs: Filesystem, name: bytes, data: bytes) -> int:
+    handle, row = await fs.create(ROOT_INO, name, 0o644, os.O_WRONLY, UID, GID)
+    await fs.write(handle.fh, 0, data)
+    await fs.flush(handle.fh)
+    await fs.release(handle.fh)
+    await fs.wait_durable(row.ino)
+    return row.ino
+
+
+def test_a_stale_row_read_during_a_commit_is_not_taken(tmp_path):
+    """D11: open re-read the row (close-to-open) while a writer committed; the older row
+    (its previous version, durable) replaced the committed one, so
+    ``sync_close`` could return before the new version was durable."""
+
+    async def main():
+        async with filesystem(tmp_path) as fs:
+            ino = await durable_file(fs, b"f", b"one")
+            gate = Gate(fs.meta, "get_inode", ino)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fs.open, ino, os.O_RDONLY)  # another process's open
+                await gate.entered.wait()  # it has read version 1 ...
+                handle, _ = await fs.open(ino, os.O_WRONLY)
+                await fs.write(handle.fh, 0, b"two")
+                await fs.flush(handle.fh)  # ... and version 2 is committed meanwhile
+                committed = fs._inodes[ino].row.version
+                gate.open()
+            row = fs._inodes[ino].row
+            assert row.version == committed and row.state != STATE_DURABLE
+            await fs.release(handle.fh)
+            await fs.wait_durable(ino)
+            assert (await fs.meta.get_inode(ino)).persisted_version == committed
+
+    trio.run(bounded, main)
+
+
+def test_open_does_not_drop_the_bytes_of_a_writer_that_opened_meanwhile(tmp_path):
+    """D11: in a cluster, open compared the cached content with the row it
+    re-read and dropped the content if they differed, but checked that nobody
+    had the file open *before* that await: a writer opening meanwhile lost
+    the bytes it had written."""
+
+    async def main():
+        async with filesystem(tmp_path) as fs:
+            ino = await durable_file(fs, b"f", b"one")
+            fs.cluster = SimpleNamespace(node="a")  # open's cluster check (nothing else runs meanwhile)
+            gate = Gate(fs.meta, "get_inode", ino)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fs.open, ino, os.O_RDONLY)
+                await gate.entered.wait()
+                writer, _ = await fs.open(ino, os.O_WRONLY)
+                await fs.write(writer.fh, 0, b"longer bytes")
+                gate.open()
+            fs.cluster = None
+            assert fs._inodes[ino].content is writer.inode.content
+            got = await fs.read(writer.fh, 0, 100)
+            assert bytes(got) == b"longer bytes"
+
+    trio.run(bounded, main)
+
+
+def test_a_truncate_while_a_write_waits_for_memory(tmp_path):
+    """D11: a write waiting for pool memory re-read ``slots[index]`` after the
+    wait, but a truncate meanwhile had cut the slot list: IndexError (EIO) and
+    the chunk buffer it had been given was never returned."""
+
+    async def main():
+        async with filesystem(tmp_path, dram=2 * CHUNK) as fs:
+            hog, row = await fs.create(ROOT_INO, b"hog", 0o644, os.O_WRONLY, UID, GID)
+            for index in range(2):  # two open chunk buffers fill the pool
+                await fs.write(hog.fh, index * CHUNK, b"x" * (CHUNK // 2))
+            f, frow = await fs.create(ROOT_INO, b"f", 0o644, os.O_WRONLY, UID, GID)
+            await fs.setattr(frow.ino, fh=f.fh, size=4 * CHUNK)
+            async with trio.open_nursery() as nursery:
+                result = {}
+
+                async def write():
+                    result["n"] = await fs.write(f.fh, 3 * CHUNK, b"tail")
+
+                nursery.start_soon(write)
+                while not fs.pool.stats().waiting_writers:
+                    await trio.sleep(0.01)
+                await fs.setattr(frow.ino, fh=f.fh, size=0)  # while the write waits
+                await fs.flush(hog.fh)  # the hog commits: its chunks go durable, memory frees
+                await fs.release(hog.fh)
+            assert result["n"] == 4
+            assert (await fs.getattr(frow.ino)).size == 3 * CHUNK + 4
+            assert bytes(await fs.read(f.fh, 3 * CHUNK - 2, 10)) == b"\0\0tail"
+            await fs.flush(f.fh)
+            await fs.release(f.fh)
+            await fs.wait_durable(frow.ino)
+            await fs.wait_durable(row.ino)
+            fs.pool.drop_clean()
+            stats = fs.pool.stats()
+            assert stats.open_bytes == 0, stats  # no buffer left behind
+
+    trio.run(bounded, main)
