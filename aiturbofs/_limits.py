@@ -27,6 +27,8 @@ XATTR_NAME_BYTES_MAX = 255
 XATTR_VALUE_BYTES_MAX = 64 * KiB
 XATTRS_PER_INODE_MAX = 1024
 READ_AHEAD_KB = 1024  # set on the mount's bdi: doubles sequential reads
+SESSION_END_GRACE_S = 5.0  # at unmount/SIGTERM, running FUSE requests get this long before they are cancelled
+UNMOUNT_POLL_S = 1.0  # how often the daemon looks for its mount in the mount table (lazy unmounts)
 ATTR_TIMEOUT_S = 1.0  # kernel attribute / entry cache lifetime
 FILE_SIZE_BYTES_MAX = 16 * TiB  # like ext4 with 4 KiB blocks
 
@@ -46,6 +48,7 @@ PERSIST_FILES_IN_FLIGHT = 4  # files uploading at once
 PERSIST_SPARE_FILES_MAX = 16
 PERSIST_PARTS_IN_FLIGHT = 4  # parts of one file uploading at once
 PERSIST_RETRY_WINDOW_S = 24 * 3600.0  # default -o persist_retry_window
+FULL_BACKEND_WAIT_S = 60.0  # default -o full_backend_wait: then writers waiting for memory get ENOSPC
 PERSIST_BACKOFF_FIRST_S = 0.2
 PERSIST_BACKOFF_MAX_S = 30.0
 BACKEND_THREADS_MAX = 8  # blocking backend calls in worker threads at once

@@ -41,7 +41,9 @@ from ._base import (
     timeout_option,
 )
 
-_TRANSIENT_ERRNOS = frozenset({errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.EBUSY, errno.ESTALE})
+_TRANSIENT_ERRNOS = frozenset(
+    {errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.EBUSY, errno.ESTALE, errno.ENOSPC, errno.EDQUOT}
+)
 
 
 @contextmanager
@@ -58,8 +60,8 @@ def _mapped(what: str) -> Iterator[None]:
     except (FSTimeoutError, TimeoutError, ConnectionError) as e:
         raise TransientBackendError(f"{what}: {type(e).__name__}: {e}") from e
     except OSError as e:
-        if e.errno in _TRANSIENT_ERRNOS:
-            raise TransientBackendError(f"{what}: {e}") from e
+        if e.errno in _TRANSIENT_ERRNOS:  # keeps its errno: ENOSPC means the backend is full
+            raise TransientBackendError(f"{what}: {e}", errno_=e.errno) from e
         raise BackendError(f"{what}: {type(e).__name__}: {e}", errno_=e.errno) from e
 
 

@@ -77,8 +77,8 @@ def _mapped(what: str) -> Iterator[None]:
     except FileNotFoundError as e:
         raise BackendNotFound(f"{what}: {e.strerror}") from e
     except OSError as e:
-        if e.errno in _TRANSIENT_ERRNOS:
-            raise TransientBackendError(f"{what}: {e.strerror}") from e
+        if e.errno in _TRANSIENT_ERRNOS:  # keeps its errno: ENOSPC means the backend is full
+            raise TransientBackendError(f"{what}: {e.strerror}", errno_=e.errno) from e
         raise BackendError(f"{what}: {e.strerror or e}", errno_=e.errno) from e
 
 

@@ -95,6 +95,9 @@ _TRANSIENT_CODES = frozenset(
         "OperationAborted",
     }
 )
+# The store is out of space or over its quota (MinIO, Ceph RGW, WebDAV-style
+# 507): worth retrying, and reported as ENOSPC (writers learn it in the end).
+_FULL_CODES = frozenset({"XMinioStorageFull", "StorageFull", "InsufficientStorage", "QuotaExceeded"})
 # "The thing you named is gone" (HEAD answers carry only the status: "404").
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404", "NoSuchUpload"})
 # A conditional request's condition failed: only CopySourceIfMatch is sent.
@@ -135,6 +138,8 @@ def _client_error(what: str, e: boto_errors.ClientError) -> BackendError:
     code = str(error.get("Code", ""))
     status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
     message = f"{what}: {code or status} {error.get('Message', '')}".rstrip()
+    if code in _FULL_CODES or status == 507:
+        return TransientBackendError(message, errno_=errno.ENOSPC)
     if code in _TRANSIENT_CODES or status >= 500 or status == 429:
         return TransientBackendError(message)
     if code in _NOT_FOUND_CODES:

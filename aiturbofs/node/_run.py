@@ -26,6 +26,8 @@ from .._limits import (
     MALLOC_TRIM_THRESHOLD_BYTES,
     METRICS_NODE_ADDRESS_DEFAULT,
     READ_AHEAD_KB,
+    SESSION_END_GRACE_S,
+    UNMOUNT_POLL_S,
 )
 from .._nursery import open_nursery
 from ..controller import EmbeddedController
@@ -184,6 +186,7 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
     vopts = VfsOptions(
         fsync_durable=cfg.fsync_durable, sync_close=cfg.sync_close, import_ttl_s=cfg.import_ttl_s,
         persist_retry_window_s=cfg.persist_retry_window_s, drain_timeout_s=cfg.drain_timeout_s,
+        full_backend_wait_s=cfg.full_backend_wait_s,
         owner_uid=os.getuid(), owner_gid=os.getgid(),
     )
     fs = Filesystem(meta, backend, pool, vopts, reporter=controller.report_close, cluster=cluster)
@@ -209,12 +212,15 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
         except RuntimeError as exc:
             raise ConfigError(f"FUSE mount of {cfg.mountpoint} failed: {exc}") from None
         nursery.start_soon(_set_read_ahead_after_init, cfg.mountpoint)
-        nursery.start_soon(_watch_signals)
+        session = _Session(nursery)
+        nursery.start_soon(_watch_signals, session)
+        nursery.start_soon(_watch_unmount, cfg.mountpoint, session)
         log.info("mounted %s at %s (pool %d MiB, spill %s, state %s, metrics %s)", cfg.backend, cfg.mountpoint,
                  cfg.dram_bytes >> 20, spill.directory, state_dir, metrics_url or "off")
         ready.send("OK")
         try:
-            await pyfuse3.main()
+            with session.scope:
+                await pyfuse3.main()
         finally:
             pyfuse3.close(unmount=True)
         queued = fs.persister.queue_length()
@@ -255,12 +261,75 @@ async def _describe(meta, ino: int) -> str:
     return paths[0] if paths else f"inode {ino}"
 
 
-async def _watch_signals() -> None:
+class _Session:
+    """Ends the FUSE session: gracefully, then by cancelling the requests still running.
+
+    ``pyfuse3.terminate`` stops taking requests but ``pyfuse3.main`` returns
+    only when every running handler has: a writer waiting for pool memory
+    (a full backend, a long outage) kept SIGTERM and unmount from ever
+    reaching the drain.  After SESSION_END_GRACE_S such requests are
+    cancelled; their callers get ENOTCONN from the kernel when the session
+    closes (the data they were writing was never acknowledged).
+    """
+
+    def __init__(self, nursery: trio.Nursery):
+        self.scope = trio.CancelScope()
+        self._nursery = nursery
+        self._ending = False
+
+    def end(self) -> None:
+        if self._ending:
+            return
+        self._ending = True
+        pyfuse3.terminate()
+        self._nursery.start_soon(self._cancel_after_grace)
+
+    async def _cancel_after_grace(self) -> None:
+        await trio.sleep(SESSION_END_GRACE_S)
+        if not self.scope.cancelled_caught:
+            log.warning("FUSE requests still running %.0f s after the session ended (writers waiting for memory?): "
+                        "cancelling them", SESSION_END_GRACE_S)
+            self.scope.cancel()
+
+
+async def _watch_signals(session: _Session) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             log.info("%s received: unmounting and draining", signal.Signals(signum).name)
-            pyfuse3.terminate()
+            session.end()
             break
+
+
+def _mounted(mountpoint: str) -> bool:
+    """Is ``mountpoint`` in this mount namespace's table?  (Sends no FUSE request.)"""
+    with open("/proc/self/mountinfo", "rb") as f:
+        table = f.read()
+    want = os.fsencode(mountpoint)
+    for line in table.splitlines():
+        fields = line.split(b" ")
+        # field 5 is the mount point, with space, tab, newline and backslash octal-escaped
+        if len(fields) > 4 and fields[4].decode("unicode_escape").encode("latin-1") == want:
+            return True
+    return False
+
+
+async def _watch_unmount(mountpoint: str, session: _Session) -> None:
+    """End the session once the mount is gone from the mount table.
+
+    A lazy unmount (``umount -l``, ``fusermount -uz``) detaches the mount at
+    once, but the kernel ends the FUSE session only when the last process
+    using it lets go: a writer waiting for pool memory kept the daemon from
+    noticing (90 s and more), and so from draining.  The table tells at once.
+    """
+    # abspath, not realpath: a stat of our own mount point from the trio
+    # thread would wait for the answer only this thread can give.
+    target = os.path.abspath(mountpoint)
+    while True:  # (pyfuse3.init has mounted it: not in the table means unmounted)
+        await trio.sleep(UNMOUNT_POLL_S)
+        if not _mounted(target):
+            log.info("%s is no longer mounted (lazy unmount?): ending the session and draining", mountpoint)
+            session.end()
+            return
 
 
 class _Dispatcher:
@@ -296,6 +365,7 @@ class _Dispatcher:
                 "bytes_fetched": p.bytes_fetched, "bytes_copied": p.bytes_copied,
                 "bytes_uploaded_for_peers": p.bytes_uploaded_for_peers, "files_durable": p.files_durable,
                 "files_broken": p.files_broken, "retries": p.retries, "read_retries": p.read_retries,
+                "backend_full_s": p.backend_full_s(),
             },
             "groups": self.controller.summary(),
             "cluster": self.cluster.status() if self.cluster is not None else None,

@@ -30,6 +30,7 @@ from typing import Literal, overload
 
 import trio
 
+from .._errors import NoSpace
 from .._limits import CHUNK_BYTES, FREE_BUFFERS_KEPT_MAX, SPILL_WAIT_S, WARM_BUFFERS_TARGET
 from .._threads import background
 from ._spill import SpillStore
@@ -86,6 +87,7 @@ class StagingPool:
         self._waiting_writers = 0
         self._spill_failed_logged = False
         self._want_warm = trio.Event()
+        self._refusal: str | None = None  # why writers that must wait fail instead (refuse_waits)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> PoolStats:
@@ -144,6 +146,8 @@ class StagingPool:
                     return None
                 if (self.eager_spill or waited_s >= SPILL_WAIT_S) and await self._spill_one():
                     continue
+                if self._refusal is not None:
+                    raise NoSpace(self._refusal)
                 if self.eager_spill:
                     self._spill_wanted.set()
                 with trio.move_on_after(0.1 if self.eager_spill else SPILL_WAIT_S) as scope:
@@ -152,6 +156,25 @@ class StagingPool:
                     waited_s += 0.1 if self.eager_spill else SPILL_WAIT_S
         finally:
             self._waiting_writers -= 1
+
+    def refuse_waits(self, reason: str) -> None:
+        """From now on a writer that would wait for memory fails with ENOSPC (``reason``).
+
+        For a backend that says it is full: staged memory frees only when
+        files become durable, so waiting would last as long as the backend
+        stays full.  Writers already waiting wake and fail; memory that is
+        free, evictable or spillable is still handed out.
+        """
+        if self._refusal is None:
+            log.error("writers that need memory now get ENOSPC: %s", reason)
+        self._refusal = reason
+        self._notify_freed()
+
+    def accept_waits(self) -> None:
+        """Undo ``refuse_waits``: writers wait for memory again."""
+        if self._refusal is not None:
+            log.info("the backend takes data again: writers wait for memory again instead of ENOSPC")
+        self._refusal = None
 
     def release(self, buf: bytearray) -> None:
         """Give back a buffer from ``alloc`` that was not adopted."""

@@ -160,6 +160,7 @@ class Persister:
         # backoff then retry at once instead of at the end of a sleep that may
         # have grown to PERSIST_BACKOFF_MAX_S while the backend was down.
         self._backend_answers = trio.Event()
+        self._full_since: float | None = None  # the backend answers "full" (ENOSPC) since then
         # A chunk no longer in DRAM (spilled, or evicted after an earlier
         # version went durable) is read back into a buffer outside the pool's
         # budget when the pool is full of staged data: with every file and
@@ -422,6 +423,7 @@ class Persister:
             except NotFound:
                 return  # the inode is gone: nothing left to persist
             except TransientBackendError as exc:
+                self._note_full(exc)
                 if time.monotonic() + backoff > deadline:
                     await self._mark_broken(ino, f"backend unavailable for the whole retry window: {exc}")
                     return
@@ -442,6 +444,29 @@ class Persister:
             except (BackendError, IntegrityError) as exc:
                 await self._mark_broken(ino, str(exc))
                 return
+
+    def _note_full(self, exc: TransientBackendError) -> None:
+        """A backend that keeps saying it is full reaches writers as ENOSPC.
+
+        A full cache only makes writers wait; a full backend would make them
+        wait for as long as it stays full (hours: the retry window), in D
+        state.  After ``full_backend_wait_s`` of "full" answers with no file
+        getting through, writers that need memory get ENOSPC; staged data
+        keeps retrying, and the first file that becomes durable lifts it.
+        """
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return
+        now = time.monotonic()
+        if self._full_since is None:
+            self._full_since = now
+            log.warning("the backend is full (%s): staged files retry; writers get ENOSPC after %.0f s of this",
+                        exc, self.fs.options.full_backend_wait_s)
+        if now - self._full_since >= self.fs.options.full_backend_wait_s:
+            self.pool.refuse_waits(f"the backend has been full for {now - self._full_since:.0f} s: {exc}")
+
+    def backend_full_s(self) -> float | None:
+        """For how long the backend has answered "full" (None: it has not)."""
+        return None if self._full_since is None else time.monotonic() - self._full_since
 
     async def _name(self, ino: int) -> str:
         """A path of ``ino`` for a log line (``inode N`` when it has none)."""
@@ -673,6 +698,8 @@ class Persister:
             self.files_durable += 1
             self._backend_answers.set()  # jobs sleeping in backoff retry now
             self._backend_answers = trio.Event()
+            self._full_since = None
+            self.pool.accept_waits()
             log.info("persisted path=%s size=%d s=%.2f version=%d", paths[0], row.size, time.monotonic() - started,
                      row.version)
             await self.fs.on_persisted(row.ino, await self.meta.get_inode(row.ino))
