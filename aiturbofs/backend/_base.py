@@ -462,8 +462,23 @@ class Backend(ABC):
 
     @classmethod
     @abstractmethod
-    async def open(cls, url: str, options: dict[str, Any]) -> Backend:
-        """Connect to ``url``; raise ``ConfigError`` or ``BackendError`` if it cannot be used."""
+    async def open(cls, url: str, options: dict[str, Any], *, check: bool = True) -> Backend:
+        """Connect to ``url``; raise ``ConfigError`` for a bad URL or option.
+
+        With ``check`` (the default), ``check()`` it too.  Without, nothing is
+        asked of the storage yet: a mount checks it under its own deadline.
+        """
+
+    @abstractmethod
+    async def check(self) -> None:
+        """Ask the storage whether it can be used (the bucket, the root directory).
+
+        Raises ``BackendError`` if it refuses for good (missing bucket, no
+        permission, unusable root): a configuration error.  Raises
+        ``TransientBackendError`` if it does not answer (refused connection,
+        timeout, 5xx).  Bounded only by the call timeout; callers that must
+        not wait that long put their own deadline around it.
+        """
 
     @abstractmethod
     async def list_dir(self, key: str) -> list[ObjectInfo]:
