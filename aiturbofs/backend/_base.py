@@ -26,10 +26,10 @@ import trio
 from .._errors import (
     BackendError,
     BackendNotFound,
+    BackendUnreachable,
     ConfigError,
     InvalidArgument,
     NotSupported,
-    TransientBackendError,
 )
 from .._limits import (
     BACKEND_CALL_TIMEOUT_S,
@@ -211,7 +211,7 @@ async def run_sync(
 ) -> T:
     """Run blocking ``fn(*args)`` in a worker thread behind ``limiter``.
 
-    Raises ``TransientBackendError`` when ``timeout_s`` passes (waiting for a
+    Raises ``BackendUnreachable`` when ``timeout_s`` passes (waiting for a
     thread slot counts), and whatever ``fn`` raises.  A call with ``abandon_on_cancel`` is
     abandoned on timeout or cancellation: the thread keeps its limiter slot
     until it really ends, and its result is dropped.  Calls that write from a
@@ -225,7 +225,7 @@ async def run_sync(
         with trio.fail_after(timeout_s):
             return await trio.to_thread.run_sync(background, fn, *args, limiter=limiter, abandon_on_cancel=abandon_on_cancel)
     except trio.TooSlowError:
-        raise TransientBackendError(f"{what}: no answer within {timeout_s:g} s") from None
+        raise BackendUnreachable(f"{what}: no answer within {timeout_s:g} s") from None
 
 
 def pwrite_all(fd: int, data: Buffer, offset: int) -> None:

@@ -23,7 +23,14 @@ import fsspec
 import trio
 from fsspec.exceptions import FSTimeoutError
 
-from .._errors import BackendError, BackendNotFound, ConfigError, SourceChanged, TransientBackendError
+from .._errors import (
+    BackendError,
+    BackendNotFound,
+    BackendUnreachable,
+    ConfigError,
+    SourceChanged,
+    TransientBackendError,
+)
 from .._limits import BACKEND_THREADS_MAX, LIST_ENTRIES_MAX
 from ._base import (
     UPLOAD_TEMP_PREFIX,
@@ -56,7 +63,7 @@ def _mapped(what: str) -> Iterator[None]:
     except FileNotFoundError as e:
         raise BackendNotFound(f"{what}: no such object") from e
     except (FSTimeoutError, TimeoutError, ConnectionError) as e:
-        raise TransientBackendError(f"{what}: {type(e).__name__}: {e}") from e
+        raise BackendUnreachable(f"{what}: {type(e).__name__}: {e}") from e
     except OSError as e:
         if e.errno in _TRANSIENT_ERRNOS:
             raise TransientBackendError(f"{what}: {e}") from e

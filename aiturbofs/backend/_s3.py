@@ -37,6 +37,7 @@ import trio
 from .._errors import (
     BackendError,
     BackendNotFound,
+    BackendUnreachable,
     ConfigError,
     InvalidArgument,
     SourceChanged,
@@ -119,11 +120,11 @@ def _mapped(what: str) -> Iterator[None]:
     try:
         yield
     except trio.TooSlowError:
-        raise TransientBackendError(f"{what}: no answer in time") from None
+        raise BackendUnreachable(f"{what}: no answer in time") from None
     except boto_errors.ClientError as e:
         raise _client_error(what, e) from e
     except _TRANSIENT_EXCEPTIONS as e:
-        raise TransientBackendError(f"{what}: {type(e).__name__}: {e}") from e
+        raise BackendUnreachable(f"{what}: {type(e).__name__}: {e}") from e
     except _CONFIG_EXCEPTIONS as e:
         raise BackendError(f"{what}: {e}") from e
 
