@@ -125,6 +125,12 @@ class BackendUnreachable(TransientBackendError):
     unavailable (``vfs.BackendHealth``) until it answers again."""
 
 
+class BackendUnavailable(AiturboError):
+    """A read needed the backend, which did not answer in time: that read fails, not the mount."""
+
+    errno = errno.EIO
+
+
 class ConfigError(AiturboError):
     """A bad mount option or config value; the message says which and why."""
 
