@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import time
 
 import pytest
 from mounting import aiturbo, state, wait_state
+from s3server import S3Server
 from test_durability import (  # noqa: F401  (s3, s3m, s3_outage_server are fixtures)
     CHUNK,
     WAIT_S,
@@ -135,6 +137,16 @@ def test_missing_bucket_still_fails_the_mount_with_one_clear_line(s3m, make_moun
         make_mount(f"s3://no-such-{secrets.token_hex(4)}", s3_endpoint=s3m.server.endpoint)
     assert "mount.aiturbo exited with 32" in str(caught.value)
     assert "does not exist at" in str(caught.value), str(caught.value)[-2000:]
+
+
+def test_refused_credentials_still_fail_the_mount_with_one_clear_line(make_mount, monkeypatch):
+    monkeypatch.setenv("INITIAL_NO_AUTH_ACTION_COUNT", "0")  # moto checks credentials: ours are unknown (403)
+    with S3Server() as server:
+        with pytest.raises(RuntimeError) as caught:
+            make_mount("s3://any-bucket", s3_endpoint=server.endpoint)
+    assert "mount.aiturbo exited with 32" in str(caught.value)
+    assert re.search(r"mount failed: bucket 'any-bucket' at \S+ cannot be used: .*403", str(caught.value)), \
+        str(caught.value)[-2000:]
 
 
 # ------------------------------------------------------------ (b) crash during an outage
