@@ -118,6 +118,19 @@ class TransientBackendError(BackendError):
     errno = errno.EAGAIN
 
 
+class BackendUnreachable(TransientBackendError):
+    """No answer at all: connection refused or reset, or a timeout (a brownout).
+
+    Unlike a 5xx, which the backend answers, this marks the backend
+    unavailable (``vfs.BackendHealth``) until it answers again."""
+
+
+class BackendUnavailable(AiturboError):
+    """A read needed the backend, which did not answer in time: that read fails, not the mount."""
+
+    errno = errno.EIO
+
+
 class ConfigError(AiturboError):
     """A bad mount option or config value; the message says which and why."""
 

@@ -73,9 +73,19 @@ READ_RETRY_ATTEMPTS = 5
 READ_RETRY_FIRST_S = 0.2
 PERSIST_PARTS_UNPOOLED_MAX = 4  # parts uploading at once whose chunk is not in DRAM (read back from spill or the backend outside the budget)
 S3_STALE_UPLOADS_MAX = 1024  # multipart uploads whose abort failed, kept to abort again once S3 answers (oldest forgotten)
+# A backend that does not answer (refused, or a brownout: connections accepted, no reply)
+# is "unavailable": the mount still comes up and serves from the metadata and the pool.
+BACKEND_CHECK_TIMEOUT_S = 5.0  # the bucket/root check at mount, and each probe while unavailable
+BACKEND_PROBE_FIRST_S = 1.0  # while unavailable, probe after this, doubling (jittered)...
+BACKEND_PROBE_MAX_S = 15.0  # ...up to this
+READ_BACKEND_TIMEOUT_S = 30.0  # a reader's fetch from the backend, retries included; then EIO
 
 # --- namespace import from the backend ------------------------------------------
 IMPORT_TTL_S = 5.0  # default -o import_ttl: re-list a backend directory after this
+# An expired directory is re-listed in the background; a lookup waits this long
+# for that listing, then answers from the metadata (not at all while the backend
+# is unavailable).  A never-imported directory waits for its first listing.
+IMPORT_WAIT_S = 1.0
 LIST_ENTRIES_MAX = 1_000_000  # entries imported from one backend directory
 
 # --- metadata ---------------------------------------------------------------------

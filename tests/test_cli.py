@@ -33,11 +33,33 @@ def test_bad_option_names_the_option_and_fails(tmp_path):
 def test_unusable_backend_fails_before_mounting(tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    r = subprocess.run([*MOUNT, "s3://no-such-bucket", str(mnt), "-o",
+    root = tmp_path / "no-such-parent" / "root"
+    r = subprocess.run([*MOUNT, f"file://{root}", str(mnt), "-o", f"state_dir={tmp_path}/s"],
+                       capture_output=True, text=True, env=ENV, timeout=60)
+    try:
+        assert r.returncode == 32 and str(root) in r.stderr and "does not exist" in r.stderr, r.stderr
+        assert not is_mounted(str(mnt))
+    finally:
+        if is_mounted(str(mnt)):
+            subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+
+
+def test_unreachable_backend_mounts_anyway(tmp_path):
+    """A refused endpoint is an outage, not a configuration error (issue 12): the mount comes up."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    t0 = time.monotonic()
+    r = subprocess.run([*MOUNT, "s3://any-bucket", str(mnt), "-o",
                         f"state_dir={tmp_path}/s,s3_endpoint=http://127.0.0.1:9,s3_connect_timeout=1"],
                        capture_output=True, text=True, env=ENV, timeout=60)
-    assert r.returncode == 32 and "no-such-bucket" in r.stderr
-    assert not is_mounted(str(mnt))
+    try:
+        assert r.returncode == 0, r.stderr
+        assert time.monotonic() - t0 < 20
+        assert is_mounted(str(mnt))
+        assert "backend  unavailable since" in aiturbo("status", str(mnt)).stdout
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+        _wait_for_daemon_exit(mnt)
 
 
 def _wait_for_daemon_exit(mnt) -> None:

@@ -41,8 +41,8 @@ from aiturbofs import chunk
 from aiturbofs.staging import SpillStore
 
 IMPORT_SETTLE_S = 1.6  # import_ttl=0.5 (tests' default) + the kernel's 1 s attribute cache
-# Mounts that see a frozen S3 server: no re-listing of directories, which
-# would wait out the S3 read timeout (see test_durability's xfail on that).
+# Mounts that see a frozen S3 server: no re-listing of directories (one that
+# started before the freeze waits out the S3 read timeout in the background).
 NO_REIMPORT = {"import_ttl": 3600}
 
 

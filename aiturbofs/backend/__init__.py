@@ -27,14 +27,15 @@ _IMPLEMENTATIONS = {
 _FALLBACK = ("._fsspec", "FsspecBackend", "pip install fsspec")
 
 
-async def open_backend(url: str, options: dict[str, Any] | None = None) -> Backend:
+async def open_backend(url: str, options: dict[str, Any] | None = None, *, check: bool = True) -> Backend:
     """Open the backend for ``url`` (``file:///abs``, ``/abs``, ``s3://bucket/prefix``, any fsspec URL).
 
     ``options`` are per-scheme (see each implementation's docstring); an
     option that does not apply raises ``ConfigError``, as do an unusable URL
     and a missing package (with an install hint).  Raises ``BackendError``
     if the storage refuses (missing bucket, unusable root) and
-    ``TransientBackendError`` if it does not answer.
+    ``TransientBackendError`` if it does not answer.  ``check=False``: only
+    the URL and options are checked; ``Backend.check`` asks the storage later.
     """
     scheme = _scheme(url)
     module_name, class_name, hint = _IMPLEMENTATIONS.get(scheme, _FALLBACK)
@@ -42,7 +43,7 @@ async def open_backend(url: str, options: dict[str, Any] | None = None) -> Backe
         module = importlib.import_module(module_name, __package__)
     except ImportError as e:
         raise ConfigError(f"backend {scheme}:// needs a package that is missing ({e}): {hint}") from e
-    return await getattr(module, class_name).open(url, dict(options or {}))
+    return await getattr(module, class_name).open(url, dict(options or {}), check=check)
 
 
 def _scheme(url: str) -> str:

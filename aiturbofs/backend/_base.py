@@ -26,10 +26,10 @@ import trio
 from .._errors import (
     BackendError,
     BackendNotFound,
+    BackendUnreachable,
     ConfigError,
     InvalidArgument,
     NotSupported,
-    TransientBackendError,
 )
 from .._limits import (
     BACKEND_CALL_TIMEOUT_S,
@@ -212,7 +212,7 @@ async def run_sync(
 ) -> T:
     """Run blocking ``fn(*args)`` in a worker thread behind ``limiter``.
 
-    Raises ``TransientBackendError`` when ``timeout_s`` passes (waiting for a
+    Raises ``BackendUnreachable`` when ``timeout_s`` passes (waiting for a
     thread slot counts), and whatever ``fn`` raises.  A call with ``abandon_on_cancel`` is
     abandoned on timeout or cancellation: the thread keeps its limiter slot
     until it really ends, and its result is dropped.  Calls that write from a
@@ -226,7 +226,7 @@ async def run_sync(
         with trio.fail_after(timeout_s):
             return await trio.to_thread.run_sync(background, fn, *args, limiter=limiter, abandon_on_cancel=abandon_on_cancel)
     except trio.TooSlowError:
-        raise TransientBackendError(f"{what}: no answer within {timeout_s:g} s") from None
+        raise BackendUnreachable(f"{what}: no answer within {timeout_s:g} s") from None
 
 
 def pwrite_all(fd: int, data: Buffer, offset: int) -> None:
@@ -465,8 +465,23 @@ class Backend(ABC):
 
     @classmethod
     @abstractmethod
-    async def open(cls, url: str, options: dict[str, Any]) -> Backend:
-        """Connect to ``url``; raise ``ConfigError`` or ``BackendError`` if it cannot be used."""
+    async def open(cls, url: str, options: dict[str, Any], *, check: bool = True) -> Backend:
+        """Connect to ``url``; raise ``ConfigError`` for a bad URL or option.
+
+        With ``check`` (the default), ``check()`` it too.  Without, nothing is
+        asked of the storage yet: a mount checks it under its own deadline.
+        """
+
+    @abstractmethod
+    async def check(self) -> None:
+        """Ask the storage whether it can be used (the bucket, the root directory).
+
+        Raises ``BackendError`` if it refuses for good (missing bucket, no
+        permission, unusable root): a configuration error.  Raises
+        ``TransientBackendError`` if it does not answer (refused connection,
+        timeout, 5xx).  Bounded only by the call timeout; callers that must
+        not wait that long put their own deadline around it.
+        """
 
     @abstractmethod
     async def list_dir(self, key: str) -> list[ObjectInfo]:

@@ -23,7 +23,14 @@ import fsspec
 import trio
 from fsspec.exceptions import FSTimeoutError
 
-from .._errors import BackendError, BackendNotFound, ConfigError, SourceChanged, TransientBackendError
+from .._errors import (
+    BackendError,
+    BackendNotFound,
+    BackendUnreachable,
+    ConfigError,
+    SourceChanged,
+    TransientBackendError,
+)
 from .._limits import BACKEND_THREADS_MAX, LIST_ENTRIES_MAX
 from ._base import (
     UPLOAD_TEMP_PREFIX,
@@ -58,7 +65,7 @@ def _mapped(what: str) -> Iterator[None]:
     except FileNotFoundError as e:
         raise BackendNotFound(f"{what}: no such object") from e
     except (FSTimeoutError, TimeoutError, ConnectionError) as e:
-        raise TransientBackendError(f"{what}: {type(e).__name__}: {e}") from e
+        raise BackendUnreachable(f"{what}: {type(e).__name__}: {e}") from e
     except OSError as e:
         if e.errno in _TRANSIENT_ERRNOS:  # keeps its errno: ENOSPC means the backend is full
             raise TransientBackendError(f"{what}: {e}", errno_=e.errno) from e
@@ -90,12 +97,12 @@ class FsspecBackend(Backend):
         self._limiter = trio.CapacityLimiter(BACKEND_THREADS_MAX)
 
     @classmethod
-    async def open(cls, url: str, options: dict[str, Any]) -> FsspecBackend:
-        """Make the filesystem and its root directory.
+    async def open(cls, url: str, options: dict[str, Any], *, check: bool = True) -> FsspecBackend:
+        """Make the filesystem and (with ``check``) its root directory.
 
         Raises ``ConfigError`` for an unknown protocol, a missing package
-        (fsspec's install hint included) or a bad option; ``BackendError`` if
-        the root cannot be created.
+        (fsspec's install hint included) or a bad option, and what ``check``
+        raises.
         """
         take_options(options, cls._OPTIONS, url.partition("://")[0])
         try:
@@ -103,8 +110,13 @@ class FsspecBackend(Backend):
         except (ImportError, ValueError) as e:
             raise ConfigError(f"backend {url!r}: {e}") from e
         backend = cls(url, fs, root, options.get("upload_tmp_dir"), timeout_option(options))
-        await backend._run(f"open backend root {url}", fs.makedirs, root, True)
+        if check:
+            await backend.check()
         return backend
+
+    async def check(self) -> None:
+        """Make the root directory; ``BackendError`` if it cannot be created."""
+        await self._run(f"open backend root {self.url}", self._fs.makedirs, self._root, True)
 
     async def list_dir(self, key: str) -> list[ObjectInfo]:
         check_key(key, allow_root=True)

@@ -104,16 +104,21 @@ class LocalBackend(Backend):
         self._limiter = trio.CapacityLimiter(BACKEND_THREADS_MAX)
 
     @classmethod
-    async def open(cls, url: str, options: dict[str, Any]) -> LocalBackend:
-        """Use (or create, mode 0o755, if its parent exists) the root directory.
+    async def open(cls, url: str, options: dict[str, Any], *, check: bool = True) -> LocalBackend:
+        """Use (or, with ``check``, create) the root directory.
 
-        Raises ``ConfigError`` for a bad option, ``BackendError`` if the root
-        cannot be used.
+        Raises ``ConfigError`` for a bad option, and what ``check`` raises.
         """
         take_options(options, cls._OPTIONS, "file")
         backend = cls(_root_from_url(url), timeout_option(options))
-        await backend._run(f"open backend root {backend._root}", _ensure_root, backend._root)
+        if check:
+            await backend.check()
         return backend
+
+    async def check(self) -> None:
+        """Use (or create, mode 0o755, if its parent exists) the root directory;
+        ``BackendError`` if it cannot be used."""
+        await self._run(f"open backend root {self._root}", _ensure_root, self._root)
 
     async def list_dir(self, key: str) -> list[ObjectInfo]:
         check_key(key, allow_root=True)

@@ -37,6 +37,7 @@ import trio
 from .._errors import (
     BackendError,
     BackendNotFound,
+    BackendUnreachable,
     ConfigError,
     InvalidArgument,
     SourceChanged,
@@ -124,11 +125,11 @@ def _mapped(what: str) -> Iterator[None]:
     try:
         yield
     except trio.TooSlowError:
-        raise TransientBackendError(f"{what}: no answer in time") from None
+        raise BackendUnreachable(f"{what}: no answer in time") from None
     except boto_errors.ClientError as e:
         raise _client_error(what, e) from e
     except _TRANSIENT_EXCEPTIONS as e:
-        raise TransientBackendError(f"{what}: {type(e).__name__}: {e}") from e
+        raise BackendUnreachable(f"{what}: {type(e).__name__}: {e}") from e
     except _CONFIG_EXCEPTIONS as e:
         raise BackendError(f"{what}: {e}") from e
 
@@ -194,9 +195,10 @@ class S3Backend(Backend):
     _OPTIONS = {"s3_endpoint", "s3_region", "s3_anon", "s3_key", "s3_secret", "s3_connect_timeout", "s3_parts_max",
                 "call_timeout_s"}
 
-    def __init__(self, fs: s3fs.S3FileSystem, bucket: str, prefix: str, timeout_s: float,
+    def __init__(self, fs: s3fs.S3FileSystem, bucket: str, prefix: str, timeout_s: float, endpoint: str = "AWS",
                  parts_max: int = S3_PARTS_MAX):
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+        self._endpoint = endpoint  # for messages
         # S3 names objects of up to 1024 bytes, the prefix and its slash included
         self.key_bytes_max = S3_KEY_BYTES_MAX - (len(prefix.encode()) + 1 if prefix else 0)
         # An upload of more chunks than parts_max sends parts of several chunks
@@ -215,18 +217,23 @@ class S3Backend(Backend):
         self._stale_uploads: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     @classmethod
-    async def open(cls, url: str, options: dict[str, Any]) -> S3Backend:
-        """Connect and check the bucket exists (one HeadBucket).
+    async def open(cls, url: str, options: dict[str, Any], *, check: bool = True) -> S3Backend:
+        """Connect and (with ``check``) check the bucket exists (one HeadBucket).
 
-        Raises ``ConfigError`` for a bad URL or option, ``BackendError``
-        naming the bucket if it is missing or forbidden,
-        ``TransientBackendError`` if the endpoint does not answer.
+        Raises ``ConfigError`` for a bad URL or option, and what ``check`` raises.
         """
         take_options(options, cls._OPTIONS, "s3")
         bucket, prefix = _parse_url(url)
-        backend = cls(_make_fs(options), bucket, prefix, timeout_option(options), _parts_max_option(options))
-        await backend._check_bucket(options.get("s3_endpoint") or "AWS")
+        backend = cls(_make_fs(options), bucket, prefix, timeout_option(options), options.get("s3_endpoint") or "AWS",
+                      _parts_max_option(options))
+        if check:
+            await backend.check()
         return backend
+
+    async def check(self) -> None:
+        """One HeadBucket: ``BackendError`` naming the bucket if it is missing or
+        forbidden, ``TransientBackendError`` if the endpoint does not answer."""
+        await self._check_bucket(self._endpoint)
 
     async def list_dir(self, key: str) -> list[ObjectInfo]:
         check_key(key, allow_root=True)

@@ -109,6 +109,9 @@ def _print_status(s: dict, clusters_shown: set) -> None:
     """One daemon's status, on one screen; a cluster's node table once per cluster."""
     pool, p = s["pool"], s["persist"]
     print(f"{s['mountpoint']}  <-  {s['backend']}   (up {s['uptime_s']:.0f} s)   metrics {s.get('metrics') or 'off'}")
+    b = s.get("backend_state") or {"available": True}
+    if not b["available"]:
+        print(f"  backend  unavailable since {b['since']}: {b['reason']} (writes are staged; persisted when it answers)")
     print(f"  pool     {_human(pool['used_bytes'])} used of {_human(pool['budget_bytes'])}: "
           f"dirty {_human(pool['dirty_bytes'])}, clean {_human(pool['clean_bytes'])}, "
           f"open {_human(pool['open_bytes'])}, spilled {_human(pool['spilled_bytes'])}"

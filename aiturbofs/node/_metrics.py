@@ -83,6 +83,8 @@ class NodeCollector:
         sizes = [node.row.size for ino in queued if (node := self.fs._cached(ino)) is not None]
         yield _gauge("aiturbo_persist_queue_files", "Files queued or being persisted to the backend", len(queued))
         yield _gauge("aiturbo_persist_queue_bytes", "Sizes of the queued files this daemon holds in memory", sum(sizes))
+        yield _gauge("aiturbo_backend_available", "1 while the backend answers; 0 while it is unavailable (writes are "
+                     "staged, persisted when it answers)", 1 if self.fs.health.available else 0)
         c = _counter("aiturbo_backend_bytes", "Bytes moved to and from the backend: uploaded (sent), fetched "
                      "(read back), copied (materialised by server-side copy, never sent: dedup)", labels=["direction"])
         c.add_metric(["uploaded"], p.bytes_uploaded)

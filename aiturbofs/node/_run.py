@@ -2,7 +2,9 @@
 
 Order matters: everything that can fail for a user-fixable reason (bad
 backend URL, missing bucket, locked state dir) fails *before* the kernel
-mount, with a message that reaches the ``mount.aiturbo`` caller.  After the
+mount, with a message that reaches the ``mount.aiturbo`` caller.  A backend
+that does not answer is not such a reason: the mount comes up after
+BACKEND_CHECK_TIMEOUT_S and persists once it answers (``vfs.BackendHealth``).  After the
 mount, SIGTERM/SIGINT or an external unmount end the FUSE loop; the persist
 queue is then drained (bounded by ``drain_timeout``) before the process exits.
 """
@@ -171,7 +173,8 @@ def _cluster_node(cfg: NodeConfig, meta, pool) -> ClusterNode | None:
 async def _main(cfg: NodeConfig, state_dir: str, ready: ReadyPipe) -> int:
     meta = meta_mod.open_meta(cfg.meta or f"sqlite:///{os.path.join(state_dir, 'meta.db')}")
     await meta.init(root_uid=os.getuid(), root_gid=os.getgid(), root_mode=0o40755)
-    backend = await backend_mod.open_backend(cfg.backend, dict(cfg.backend_options))
+    # checked by fs.start, under a deadline: an unresponsive backend must not stall the mount
+    backend = await backend_mod.open_backend(cfg.backend, dict(cfg.backend_options), check=False)
     spill = SpillStore(cfg.spill or os.path.join(state_dir, "spill"))
     pool = StagingPool(cfg.dram_bytes, spill, eager_spill=cfg.spill is not None)
     cluster = _cluster_node(cfg, meta, pool)
@@ -357,6 +360,7 @@ class _Dispatcher:
             "ok": True,
             "mountpoint": self.cfg.mountpoint,
             "backend": self.cfg.backend,
+            "backend_state": self.fs.health.status(),
             "uptime_s": round(time.time() - self.started, 1),
             "metrics": self.metrics_url,
             "pool": vars(self.pool.stats()),

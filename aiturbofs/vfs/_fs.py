@@ -26,6 +26,7 @@ import trio
 from .. import chunk
 from .._errors import (
     AiturboError,
+    BackendUnavailable,
     BrokenFile,
     FileTooBig,
     InvalidArgument,
@@ -34,6 +35,7 @@ from .._errors import (
     NoAttribute,
     NotFound,
     NotPermitted,
+    TransientBackendError,
 )
 from .._limits import (
     CHUNK_BYTES,
@@ -55,6 +57,7 @@ from ..staging import StagingPool
 from . import _xattr
 from ._cluster import ClusterPort, ReadRequest, Staged, StageRequest
 from ._content import FileContent, Slot
+from ._health import BackendHealth
 from ._importer import Importer
 from ._options import VfsOptions
 from ._persist import Persister
@@ -160,6 +163,7 @@ class Filesystem:
         self._state_changed: dict[int, trio.Event] = {}
         self.persister = Persister(self)
         self.importer = Importer(self)
+        self.health = BackendHealth(backend, on_up=self._backend_up, record_error=self.record_error)
         self.errors: list[str] = []
         self.errors_total = 0  # every record_error (the list keeps the last ERRORS_KEPT_MAX): for the metrics
         self._nursery: trio.Nursery | None = None
@@ -167,11 +171,28 @@ class Filesystem:
 
     # =============================================================== lifecycle
     async def start(self, nursery: trio.Nursery) -> None:
-        """Recover staged files, then run the sealer and the persister."""
+        """Check the backend, recover staged files, then run the sealer and the persister.
+
+        Raises ``BackendError`` if the backend refuses for good (a missing
+        bucket); one that does not answer is only marked unavailable.
+        """
+        await self.health.check_at_mount(nursery)
         await self.persister.recover()
         self._nursery = nursery
         nursery.start_soon(self._run_sealer)
         await nursery.start(self.persister.run)
+
+    def spawn(self, fn: Callable[..., Awaitable[None]], *args) -> bool:
+        """Run ``fn(*args)`` in the background; False before ``start`` (nothing runs)."""
+        if self._nursery is None:
+            return False
+        self._nursery.start_soon(fn, *args)
+        return True
+
+    def _backend_up(self) -> None:
+        """The backend answers again: retry persists now, import the root."""
+        self.persister.backend_answered()
+        self.importer.refresh_soon(ROOT_INO)
 
     def record_error(self, message: str, event: str | None = None) -> None:
         """Log an operating error and keep it for ``aiturbo status``.
@@ -989,7 +1010,11 @@ class Filesystem:
                 raise BrokenFile(f"{keys[0]} is shorter than expected (changed in the backend?)")
             return data
 
-        return await self.pool.read(cache_key, fetch)
+        try:
+            return await self.pool.read(cache_key, fetch)
+        except TransientBackendError as exc:
+            self.record_error(f"read of {keys[0]} chunk {index} failed: {exc}")
+            raise BackendUnavailable(str(exc)) from exc
 
     async def _hash_external(self, node: Inode, content: FileContent) -> None:
         """Give an imported file a manifest before its first modification."""

@@ -1,7 +1,14 @@
 """Lazy import of objects that already exist in the backend.
 
 A directory is listed in the backend when it is looked up in or read and its
-last import is older than the TTL (``-o import_ttl``).  New objects become
+last import is older than the TTL (``-o import_ttl``).  The listing runs in
+the background, at most one per directory: a lookup waits IMPORT_WAIT_S for
+it and then answers from the metadata (stale-while-revalidate), so a backend
+that stops answering never stalls a writer.  A directory never imported
+before waits for its first listing while the backend is available.  While it
+is unavailable (``BackendHealth``) nothing is listed and every lookup answers
+from the metadata at once; the root is imported again when it answers, the
+other directories at their next lookup.  New objects become
 ``durable`` files without a manifest (read by range, hashed on first write);
 prefixes become directories; durable files whose object changed outside the
 mount are refreshed; durable files whose object vanished are removed, unless
@@ -15,8 +22,8 @@ import time
 
 import trio
 
-from .._errors import BackendError, Exists, NotFound
-from .._limits import IMPORT_READDIR_BATCH_ENTRIES, LIST_ENTRIES_MAX, NAME_BYTES_MAX
+from .._errors import AiturboError, BackendError, BackendUnreachable, Exists, NotFound
+from .._limits import IMPORT_READDIR_BATCH_ENTRIES, IMPORT_WAIT_S, LIST_ENTRIES_MAX, NAME_BYTES_MAX
 from ..meta import ROOT_INO, STATE_DURABLE, InodeRow
 
 log = logging.getLogger(__name__)
@@ -34,10 +41,21 @@ def _with_dirs(keys: set[str]) -> set[str]:
     return out
 
 
+class _Listing:
+    """One directory's import in flight."""
+
+    __slots__ = ("first", "started", "done")
+
+    def __init__(self, first: bool):
+        self.first = first  # never imported before: lookups wait for it
+        self.started = trio.current_time()
+        self.done = trio.Event()
+
+
 class Importer:
     def __init__(self, fs):
         self.fs = fs
-        self._busy: dict[int, trio.Event] = {}
+        self._busy: dict[int, _Listing] = {}
 
     async def refresh_named(self, parent: int, name: bytes) -> None:
         try:
@@ -47,20 +65,52 @@ class Importer:
         await self.refresh(row.ino)
 
     async def refresh(self, ino: int) -> None:
-        """Import ``ino``'s backend listing if it is a directory older than the TTL."""
-        while ino in self._busy:
-            await self._busy[ino].wait()
-        row = await self.fs.meta.get_inode(ino)
-        if not stat.S_ISDIR(row.mode):
-            return
-        if time.time_ns() - row.imported_ns < self.fs.options.import_ttl_s * 1e9:
-            return
-        done = self._busy[ino] = trio.Event()
+        """Import ``ino``'s backend listing if it is a directory older than the TTL.
+
+        Waits for the listing only as the module doc says; a failed listing
+        is logged, never raised (the caller answers from the metadata).
+        """
+        listing = self._busy.get(ino)
+        if listing is None:
+            row = await self.fs.meta.get_inode(ino)
+            if not stat.S_ISDIR(row.mode) or time.time_ns() - row.imported_ns < self.fs.options.import_ttl_s * 1e9:
+                return
+            if not self.fs.health.available:
+                return  # imported once the backend answers
+            listing = self._busy.get(ino) or await self._start(row)
+        if listing.first:
+            await listing.done.wait()
+        else:
+            with trio.move_on_at(listing.started + IMPORT_WAIT_S):
+                await listing.done.wait()
+
+    def refresh_soon(self, ino: int) -> None:
+        """Import ``ino`` in the background now (the backend answers again)."""
+        self.fs.spawn(self._refresh_logged, ino)
+
+    async def _refresh_logged(self, ino: int) -> None:
+        try:
+            await self.refresh(ino)
+        except AiturboError as exc:
+            log.warning("import of directory inode %d failed: %s", ino, exc)
+
+    async def _start(self, row: InodeRow) -> _Listing:
+        listing = self._busy[row.ino] = _Listing(first=row.imported_ns == 0)
+        if not self.fs.spawn(self._run, row, listing):
+            await self._run(row, listing)  # not started yet: no background
+        return listing
+
+    async def _run(self, row: InodeRow, listing: _Listing) -> None:
         try:
             await self._import(row)
+        except AiturboError as exc:  # the directory went away, the metadata engine is down...
+            log.warning("import of directory inode %d failed: %s", row.ino, exc)
+        except Exception as exc:  # a bug: keep the daemon (and the other imports) going
+            log.exception("BUG while importing directory inode %d", row.ino)
+            self.fs.record_error(f"internal error importing directory inode {row.ino}: {exc!r}")
         finally:
-            del self._busy[ino]
-            done.set()
+            del self._busy[row.ino]
+            listing.done.set()
 
     async def _import(self, dir_row: InodeRow) -> None:
         meta = self.fs.meta
@@ -95,10 +145,17 @@ class Importer:
             offset = batch[-1][2]  # readdir's cookie of the last entry: where the next batch starts
         try:
             infos = await self.fs.backend.list_dir(prefix)
-        except BackendError as exc:
+        except BackendUnreachable as exc:
+            # Not imported (a first import stays a first): listed again once
+            # the backend answers, not every TTL while it does not.
+            log.warning("import of %r from the backend failed: %s", prefix or "/", exc)
+            self.fs.health.mark_down(f"listing {prefix or '/'}: {exc}")
+            return
+        except BackendError as exc:  # refused, or a 5xx: try again after the TTL
             log.warning("import of %r from the backend failed: %s", prefix or "/", exc)
             await meta.set_attrs(dir_row.ino, imported_ns=started)
             return
+        self.fs.health.mark_up()
         listed = set()
         claimed: set[str] | None = None
         for info in infos[:LIST_ENTRIES_MAX]:

@@ -36,6 +36,7 @@ from .._errors import (
     AiturboError,
     BackendError,
     BackendNotFound,
+    BackendUnreachable,
     IntegrityError,
     MetaUnavailable,
     NotFound,
@@ -47,6 +48,7 @@ from .._errors import (
     TransientBackendError,
 )
 from .._limits import (
+    BACKEND_CHECK_TIMEOUT_S,
     CHUNK_BYTES,
     CLUSTER_SOURCE_POLL_S,
     CLUSTER_SOURCE_WAIT_S,
@@ -60,6 +62,7 @@ from .._limits import (
     PERSIST_PARTS_UNPOOLED_MAX,
     PERSIST_SPARE_FILES_MAX,
     PERSIST_WIDE_PARTS_IN_FLIGHT,
+    READ_BACKEND_TIMEOUT_S,
     READ_RETRY_ATTEMPTS,
     READ_RETRY_FIRST_S,
     RENAME_READDIR_BATCH_ENTRIES,
@@ -252,6 +255,11 @@ class Persister:
 
     def queued(self) -> list[int]:
         return list(self._running) + list(self._pending)
+
+    def backend_answered(self) -> None:
+        """A file got through, or the backend answers a probe: jobs sleeping in backoff retry now."""
+        self._backend_answers.set()
+        self._backend_answers = trio.Event()
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with open_nursery() as nursery:
@@ -696,8 +704,8 @@ class Persister:
         if durable:
             await self._record_sources(row, target, info.etag)
             self.files_durable += 1
-            self._backend_answers.set()  # jobs sleeping in backoff retry now
-            self._backend_answers = trio.Event()
+            self.backend_answered()
+            self.fs.health.mark_up()
             self._full_since = None
             self.pool.accept_waits()
             log.info("persisted path=%s size=%d s=%.2f version=%d", paths[0], row.size, time.monotonic() - started,
@@ -1009,14 +1017,36 @@ class Persister:
 
         The backend layer never retries (the persister owns upload retries);
         a reader blocked on a chunk gets READ_RETRY_ATTEMPTS tries, backing
-        off, before the error reaches it as EIO.  One 503 must not fail a read.
+        off, within READ_BACKEND_TIMEOUT_S in all, before the error reaches it
+        as EIO.  One 503 must not fail a read, and a backend that stopped
+        answering must not hold it for minutes: while the backend is
+        unavailable a read gets one try of at most BACKEND_CHECK_TIMEOUT_S.
+        Raises ``TransientBackendError``; ``BackendUnreachable`` (no answer
+        at all) also marks the backend unavailable.
         """
+        health = self.fs.health
+        attempts, timeout_s = ((READ_RETRY_ATTEMPTS, READ_BACKEND_TIMEOUT_S) if health.available
+                               else (1, BACKEND_CHECK_TIMEOUT_S))
+        try:
+            with trio.fail_after(timeout_s):
+                data = await self._read_with_retries(key, offset, length, attempts)
+        except trio.TooSlowError:
+            exc = BackendUnreachable(f"read {key!r}: no answer within {timeout_s:g} s")
+            health.mark_down(str(exc))
+            raise exc from None
+        except BackendUnreachable as exc:
+            health.mark_down(str(exc))
+            raise
+        health.mark_up()
+        return data
+
+    async def _read_with_retries(self, key: str, offset: int, length: int, attempts: int) -> bytes:
         backoff = READ_RETRY_FIRST_S
-        for attempt in range(1, READ_RETRY_ATTEMPTS + 1):
+        for attempt in range(1, attempts + 1):
             try:
                 return await self.backend.read_range(key, offset, length)
             except TransientBackendError as exc:
-                if attempt == READ_RETRY_ATTEMPTS:
+                if attempt == attempts:
                     raise
                 self.read_retries += 1
                 log.info("read_retry key=%s offset=%d error=%r retry_in_s=%.1f", key, offset, str(exc), backoff)
