@@ -15,6 +15,9 @@ CHUNK_BYTES = 1 << CHUNK_BITS  # 8 MiB: the unit of hashing, staging, upload
 HASH_BYTES = 32  # BLAKE3 digest length
 SMALL_BUFFER_BYTES = 256 * KiB  # first buffer of a chunk that starts small
 HASH_INLINE_BYTES_MAX = 1 * MiB  # hash smaller chunks on the trio thread
+ZERO_SAMPLE_STRIDE_BYTES = 4 * KiB  # a sealed chunk is checked for all zeros (a hole) only if every byte at this stride is 0
+ZERO_DIGESTS_CACHED = 64  # BLAKE3 digests of all-zero chunks, by length (full chunks and recent tail lengths)
+ZERO_BLOCK_BYTES = 1 * MiB  # zeros are hashed, and written where a hole cannot be punched, in pieces of this
 
 # --- FUSE ---------------------------------------------------------------------
 FUSE_REQUEST_BYTES_MAX = 1 * MiB  # libfuse 3.14 fixes max_write at 256 pages
@@ -56,6 +59,7 @@ BACKEND_COPY_PART_BYTES = 512 * MiB  # whole-object copies done part by part (on
 S3_PART_BYTES_MIN = 5 * MiB  # S3 rejects smaller parts except the last
 S3_PARTS_MAX = 10_000  # S3 multipart limit: with CHUNK_BYTES parts an object is at most ~78 GiB
 S3_COPY_OBJECT_BYTES_MAX = 5 * GiB  # CopyObject limit; larger objects are copied part by part
+S3_ZERO_OBJECT_BYTES_MAX = 5 * GiB  # S3's PutObject limit: hole parts copy from one hidden zero object of the part size (larger: sent as zeros)
 S3_PUT_BYTES_MAX = 1 * MiB  # a lone short part is copied on the trio thread and sent as one PutObject
 UPLOAD_TOKEN_BYTES_MAX = 32 * KiB  # a remote-part token or receipt: a key, escaped, plus an UploadId; fits a fabric control body
 PERSIST_BACKOFF_JITTER = 0.5  # a retry sleeps backoff x uniform(1 - this, 1): files failed by one outage do not retry in step

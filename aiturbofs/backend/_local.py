@@ -34,6 +34,7 @@ from ._base import (
     join_key,
     make_token,
     parse_token,
+    punch_hole,
     pwrite_all,
     run_sync,
     take_options,
@@ -210,6 +211,14 @@ class LocalUpload(Upload):
             index * self.part_bytes,
             abandon_on_cancel=False,
         )
+
+    async def _zero_part(self, index: int, length: int) -> tuple[int, int]:
+        # The temp file is new: an unwritten range is a hole already, and
+        # publish's ftruncate makes the tail one.  Punched in case the part
+        # was written before (the latest entry of a part wins).
+        await self._backend._run(f"zero part {index} of {self.key!r}", punch_hole, self._fd,
+                                 index * self.part_bytes, length, abandon_on_cancel=False)
+        return 0, 0
 
     async def _copy_part(self, index: int, src_key: str, offset: int, length: int, if_etag: str | None) -> None:
         what = f"copy {src_key!r}[{offset}:{offset + length}] to part {index} of {self.key!r}"

@@ -793,13 +793,19 @@ class Filesystem:
         if length > HASH_INLINE_BYTES_MAX:
             # the sealer works ahead at low priority; close()/fsync wait on it
             if urgent:
-                key = await trio.to_thread.run_sync(chunk.digest, view)
+                key = await trio.to_thread.run_sync(chunk.content_key, view)
             else:
-                key = await trio.to_thread.run_sync(background, chunk.digest, view)
+                key = await trio.to_thread.run_sync(background, chunk.content_key, view)
         else:
-            key = chunk.digest(view)
+            key = chunk.content_key(view)
         if content.slot_at(index) is not slot or slot.seq != seq or slot.buf is None or chunk.chunk_length(content.size, index) != length:
             return False
+        if key == chunk.HOLE:
+            # written as zeros: a hole like one never written (no pool memory,
+            # no spill, no backend blocks)
+            content.slots[index] = None
+            self._free_slot(slot)
+            return True
         buf, slot.buf = slot.buf, None
         slot.key = key
         slot.pinned = True
@@ -982,10 +988,9 @@ class Filesystem:
         for index, _slot in enumerate(content.slots):
             length = chunk.chunk_length(content.size, index)
             data = await self._read_external(node, index, length)
-            key = chunk.digest(data)
-            keys.append(key)
+            keys.append(chunk.content_key(data))  # zeros (a sparse object's holes) stay holes
         for index, key in enumerate(keys):
-            content.slots[index] = Slot(key=key)
+            content.slots[index] = None if key == chunk.HOLE else Slot(key=key)
         manifest = chunk.pack_manifest(keys)
         node.row = await self.meta.set_attrs(node.ino, manifest=manifest)
 

@@ -702,9 +702,10 @@ class Persister:
     async def _upload_part(self, upload, row, key: bytes, index: int, limiter, parts: "_PartPlan | None") -> None:
         try:
             length = chunk.chunk_length(row.size, index)
-            if key == chunk.HOLE:
-                await upload.write_part(index, bytes(length))
-                self.bytes_uploaded += length
+            if key == chunk.HOLE:  # no bytes to read: the backend keeps a hole (or copies zeros)
+                sent, copied = await upload.zero_part(index, length)
+                self.bytes_uploaded += sent
+                self.bytes_copied += copied
                 return
             if parts is not None:
                 if await self._copy_part(upload, parts, index, key, length):
