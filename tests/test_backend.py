@@ -668,6 +668,33 @@ class TestLocal(BackendConformance):
         assert st.st_size == 2 * P + 4
         assert st.st_blocks * 512 <= 64 * 1024, st.st_blocks  # the tail's block(s), not 16 MiB
 
+    def test_copy_keeps_holes(self, target: Target):
+        # copy_file_range alone writes a source's holes as zeros (ext4, tmpfs):
+        # a hard link of a sparse file would be stored dense
+        root = target.url[len("file://") :]
+        want = bytes(P) + b"x" * P + bytes(P) + b"tail"
+
+        async def body(b: Backend):
+            upload = await b.open_upload("src")
+            await upload.zero_part(0, P)
+            await upload.write_part(1, b"x" * P)
+            await upload.zero_part(2, P)
+            await upload.write_part(3, b"tail")
+            await upload.complete(len(want))
+            await b.copy("src", "dst")
+            assert await read_all(b, "dst") == want
+            upload = await b.open_upload("ranges")
+            await upload.copy_part(0, "src", P - 4096, P)  # a hole's end, then data
+            await upload.copy_part(1, "src", 2 * P, P)  # a whole hole
+            await upload.copy_part(2, "src", 3 * P, 4)  # the tail
+            await upload.complete(2 * P + 4)
+            assert await read_all(b, "ranges") == want[P - 4096 : 2 * P - 4096] + want[2 * P :]
+
+        run(target, body)
+        for name, data_bytes in (("dst", P + 4), ("ranges", P + 4)):
+            allocated = os.stat(os.path.join(root, name)).st_blocks * 512
+            assert allocated <= data_bytes + 64 * 1024, (name, allocated)
+
     def test_copy_part_uses_copy_file_range(self, target: Target, monkeypatch):
         calls = []
         real = os.copy_file_range

@@ -14,6 +14,7 @@ hole stored dense must fail the test (ENOSPC), not fill the shared disk.
 import os
 import secrets
 import subprocess
+import time
 
 import pytest
 from mounting import aiturbo, wait_state
@@ -81,6 +82,14 @@ def test_a_4gib_hole_costs_nothing_on_file_backend_and_reads_back_as_zeros(small
     obj = small_backend / "sparse.bin"
     assert obj.stat().st_size == HOLE + DATA
     assert allocated(obj) <= DATA + 64 * 1024, f"the backend object holds {allocated(obj)} bytes"
+    # a hard link is a second object, copied in the backend: sparse too
+    os.link(path, m.path("link.bin"))
+    link = small_backend / "link.bin"
+    deadline = time.monotonic() + DURABLE_WAIT_S
+    while not (link.exists() and link.stat().st_size == HOLE + DATA) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert link.stat().st_size == HOLE + DATA
+    assert allocated(link) <= DATA + 64 * 1024, f"the link's object holds {allocated(link)} bytes"
     aiturbo("drop-cache", m.mountpoint)
     check_reads(path, data)
 

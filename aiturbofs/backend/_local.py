@@ -429,15 +429,55 @@ def _copy_range_sync(
     """
     src_fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        etag = _etag(os.fstat(src_fd))
+        st = os.fstat(src_fd)
+        etag = _etag(st)
         if if_etag is not None and etag != if_etag:
             return etag, 0
-        done = _copy_file_range(src_fd, dst_fd, src_offset, dst_offset, length)
-        if done < length:
-            done += _copy_by_reading(src_fd, dst_fd, src_offset + done, dst_offset + done, length - done)
+        # A published object never changes (a new version is a new inode), so
+        # its size bounds the range, and its holes are copied as holes.
+        end = min(src_offset + length, st.st_size)
+        done = 0
+        for start, stop, is_data in _extents(src_fd, src_offset, end):
+            at = dst_offset + start - src_offset
+            if not is_data:
+                punch_hole(dst_fd, at, stop - start)
+                done += stop - start
+                continue
+            copied = _copy_file_range(src_fd, dst_fd, start, at, stop - start)
+            if copied < stop - start:
+                copied += _copy_by_reading(src_fd, dst_fd, start + copied, at + copied, stop - start - copied)
+            done += copied
+            if copied < stop - start:
+                break
         return etag, done
     finally:
         os.close(src_fd)
+
+
+def _extents(fd: int, start: int, end: int) -> Iterator[tuple[int, int, bool]]:
+    """``(start, stop, is_data)`` runs covering ``[start, end)`` of ``fd``, by SEEK_DATA/SEEK_HOLE.
+
+    One data run where the filesystem cannot tell holes (copied as bytes).
+    """
+    pos = start
+    while pos < end:
+        try:
+            data = min(os.lseek(fd, pos, os.SEEK_DATA), end)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # only a hole from here to the end of the file
+                data = end
+            elif e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                yield pos, end, True
+                return
+            else:
+                raise
+        if data > pos:
+            yield pos, data, False
+        if data >= end:
+            return
+        hole = min(os.lseek(fd, data, os.SEEK_HOLE), end)
+        yield data, hole, True
+        pos = hole
 
 
 def _write_remote_sync(tmp_path: str, data: Buffer, offset: int) -> None:
