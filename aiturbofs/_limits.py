@@ -18,9 +18,14 @@ HASH_INLINE_BYTES_MAX = 1 * MiB  # hash smaller chunks on the trio thread
 ZERO_SAMPLE_STRIDE_BYTES = 4 * KiB  # a sealed chunk is checked for all zeros (a hole) only if every byte at this stride is 0
 ZERO_DIGESTS_CACHED = 64  # BLAKE3 digests of all-zero chunks, by length (full chunks and recent tail lengths)
 ZERO_BLOCK_BYTES = 1 * MiB  # zeros are hashed, and written where a hole cannot be punched, in pieces of this
+ZERO_RUN_BYTES = 64 * KiB  # local backend: aligned runs of zeros this long inside a data part are left as holes
 
 # --- FUSE ---------------------------------------------------------------------
 FUSE_REQUEST_BYTES_MAX = 1 * MiB  # libfuse 3.14 fixes max_write at 256 pages
+# st_blksize: cp, dd and stdio size their I/O by it, so each request is one
+# full FUSE write.  fsstress's copy_file_range/splice place copies up to 1024
+# blocks past EOF (1 GiB): a hole, which costs nothing (see docs/design.md).
+ST_BLKSIZE_BYTES = FUSE_REQUEST_BYTES_MAX
 NAME_BYTES_MAX = 255  # like ext4 / NAME_MAX
 PATH_BYTES_MAX = 4096  # like PATH_MAX
 S3_KEY_BYTES_MAX = 1024  # S3's limit on an object key

@@ -660,13 +660,19 @@ class TestLocal(BackendConformance):
             await upload.write_part(0, os.urandom(P))
             await upload.zero_part(0, P)  # punched: no block of the written part is left
             assert await upload.zero_part(1, P) == (0, 0)  # nothing sent, nothing copied
-            await upload.write_part(2, b"tail")
-            await upload.complete(2 * P + 4)
+            # a data part mostly of zeros (a write into a hole): only its data takes blocks,
+            # also where older bytes of the part were written first
+            await upload.write_part(2, os.urandom(P))
+            await upload.write_part(2, part)
+            await upload.write_part(3, b"tail")
+            await upload.complete(3 * P + 4)
+            assert await read_all(b, "sparse") == bytes(2 * P) + part + b"tail"
 
+        part = bytes(P // 2) + os.urandom(MiB) + bytes(P // 2 - MiB)
         run(target, body)
         st = os.stat(os.path.join(root, "sparse"))
-        assert st.st_size == 2 * P + 4
-        assert st.st_blocks * 512 <= 64 * 1024, st.st_blocks  # the tail's block(s), not 16 MiB
+        assert st.st_size == 3 * P + 4
+        assert st.st_blocks * 512 <= MiB + 64 * 1024, st.st_blocks  # the data's blocks, not 24 MiB
 
     def test_copy_keeps_holes(self, target: Target):
         # copy_file_range alone writes a source's holes as zeros (ext4, tmpfs):

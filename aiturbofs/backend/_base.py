@@ -39,6 +39,8 @@ from .._limits import (
     PATH_BYTES_MAX,
     UPLOAD_TOKEN_BYTES_MAX,
     ZERO_BLOCK_BYTES,
+    ZERO_RUN_BYTES,
+    ZERO_SAMPLE_STRIDE_BYTES,
 )
 from .._threads import background
 
@@ -270,6 +272,38 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
     zeros = memoryview(bytes(ZERO_BLOCK_BYTES))
     for at in range(offset, end, ZERO_BLOCK_BYTES):
         pwrite_all(fd, zeros[: min(ZERO_BLOCK_BYTES, end - at)], at)
+
+
+_ZERO_RUN = bytes(ZERO_RUN_BYTES)
+
+
+def pwrite_sparse(fd: int, data: Buffer, offset: int) -> None:
+    """``pwrite_all``, but aligned ZERO_RUN_BYTES runs of zeros become holes (blocking).
+
+    A chunk with 1 MiB of data in a hole (a write into a sparse file) then
+    costs 1 MiB on disk, not the chunk's 8 MiB.  Zero runs are punched, so a
+    part written again over older bytes still reads right.
+    """
+    view = memoryview(data).cast("B")
+    start = 0  # of the pending run
+    pending_zero = False
+    for at in range(0, len(view), ZERO_RUN_BYTES):
+        block = view[at : at + ZERO_RUN_BYTES]
+        zero = (len(block) == ZERO_RUN_BYTES and not any(block[::ZERO_SAMPLE_STRIDE_BYTES])
+                and bytes(block) == _ZERO_RUN)
+        if zero != pending_zero and at > start:
+            _flush_run(fd, view, start, at, offset, pending_zero)
+            start = at
+        pending_zero = zero
+    if len(view) > start:
+        _flush_run(fd, view, start, len(view), offset, pending_zero)
+
+
+def _flush_run(fd: int, view: memoryview, start: int, stop: int, offset: int, zero: bool) -> None:
+    if zero:
+        punch_hole(fd, offset + start, stop - start)
+    else:
+        pwrite_all(fd, view[start:stop], offset + start)
 
 
 # --- contracts ---------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from ._base import (
     parse_token,
     punch_hole,
     pwrite_all,
+    pwrite_sparse,
     run_sync,
     take_options,
     timeout_option,
@@ -205,7 +206,7 @@ class LocalUpload(Upload):
     async def _write_part(self, index: int, data: Buffer) -> None:
         await self._backend._run(
             f"write part {index} of {self.key!r}",
-            pwrite_all,
+            pwrite_sparse,
             self._fd,
             data,
             index * self.part_bytes,
@@ -493,7 +494,7 @@ def _write_remote_sync(tmp_path: str, data: Buffer, offset: int) -> None:
         # The owner renames under LOCK_EX: a temp still at its name now stays there until we are done.
         if not _still_linked(tmp_path, fd):
             raise gone
-        pwrite_all(fd, data, offset)
+        pwrite_sparse(fd, data, offset)
         os.fsync(fd)
     finally:
         os.close(fd)  # also drops the lock
