@@ -12,6 +12,7 @@ hole stored dense must fail the test (ENOSPC), not fill the shared disk.
 """
 
 import os
+import random
 import secrets
 import subprocess
 import time
@@ -148,3 +149,37 @@ def test_s3_uploads_one_zero_chunk_and_copies_the_other_holes(s3_server, make_mo
     assert pread_direct(m.path("b.bin"), hole, DATA) == data
     for name in names:
         os.unlink(m.path(name))  # moto keeps objects until the session ends: leave it nothing large
+
+
+def test_copies_sized_by_st_blksize_grow_files_by_holes_only(small_backend, make_mount):
+    # fsstress's copy_file_range op: blksize-aligned lengths, a destination
+    # anywhere up to 1024 blocks past EOF.  With st_blksize = 1 MiB that
+    # grows a file by up to 1 GiB per op: fine while the growth is a hole.
+    m = make_mount(f"file://{small_backend}", dram="32M")
+    path = m.path("stress.bin")
+    seed = os.urandom(DATA)
+    with open(path, "wb") as f:
+        f.write(seed)
+    blksize = os.stat(path).st_blksize
+    assert blksize == MiB
+    rng = random.Random(12)
+    copies = []
+    fd = os.open(path, os.O_RDWR)
+    try:
+        for _ in range(8):
+            size = os.fstat(fd).st_size
+            dst = rng.randrange(size, size + 1024 * blksize) // blksize * blksize
+            assert os.copy_file_range(fd, fd, blksize, 0, dst) == blksize
+            copies.append(dst)
+    finally:
+        os.close(fd)
+    size = os.stat(path).st_size
+    assert size == max(copies) + blksize
+    assert wait_state(path, "durable", DURABLE_WAIT_S) == "durable", m.log()[-3000:]
+    obj = small_backend / "stress.bin"
+    assert obj.stat().st_size == size
+    assert allocated(obj) <= (1 + len(copies)) * DATA + 256 * 1024, (size, allocated(obj))
+    aiturbo("drop-cache", m.mountpoint)
+    for dst in copies:
+        assert pread_direct(path, dst, DATA) == seed
+    assert pread_direct(path, copies[0] - 65536, 65536) in (bytes(65536), seed[-65536:])

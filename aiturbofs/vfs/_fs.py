@@ -709,7 +709,7 @@ class Filesystem:
             valid = chunk.chunk_length(content.size, index)
             want = max(end, valid)
             cap = CHUNK_BYTES if (want > SMALL_BUFFER_BYTES or index > 0) else max(4096, 1 << (want - 1).bit_length())
-            buf = await self.pool.alloc(cap)
+            buf = await self._alloc(content, index, cap)
             slot = content.slots[index]  # may have changed while we waited
             if slot is not None and slot.buf is not None and len(slot.buf) >= end:
                 self.pool.release(buf)
@@ -725,6 +725,29 @@ class Filesystem:
             content.slots[index] = new
             self._free_slot(slot, node)
             return new
+
+    async def _alloc(self, content: FileContent, index: int, cap: int) -> bytearray:
+        """A buffer for chunk ``index``; when the pool is full, first seal the open chunks of open files.
+
+        A chunk written in part stays open (its buffer outside the pool's
+        reach) until close seals it: random writes over more chunks than the
+        budget holds (scattered copies into a sparse file) waited forever.
+        Sealed, they are pinned entries like full chunks, which the pool
+        spills under pressure; a later write reopens them from there.
+        """
+        buf = await self.pool.alloc(cap, wait=False)
+        if buf is not None:
+            return buf
+        for handle in list(self._handles.values()):
+            other = handle.inode.content
+            if other is None:
+                continue
+            # Not a file's last chunk: the next write past EOF may grow it,
+            # and a chunk sealed short would then be a wrong-length part.
+            for i, slot in enumerate(other.slots[: chunk.chunk_count(other.size) - 1]):
+                if slot is not None and slot.buf is not None and not (other is content and i == index):
+                    await self._seal(other, i, slot)
+        return await self.pool.alloc(cap)
 
     async def _fill_from(self, node: Inode, content: FileContent, index: int, slot: Slot | None, buf: bytearray, valid: int) -> int:
         """Copy the current bytes of chunk ``index`` into ``buf``; returns bytes filled."""
