@@ -5,7 +5,8 @@
 
 Write path (future 0): ``write`` copies into an open chunk buffer from the
 pool; a chunk that fills up is hashed in a worker thread and sealed into the
-pool while the writer goes on; ``flush``/``fsync``/``release`` seal the rest,
+pool while the writer goes on (one of all zeros becomes a hole: no memory);
+``flush``/``fsync``/``release`` seal the rest,
 commit the manifest (ordered chunk hashes, size, state ``staged``) to the
 metadata engine and hand the file to the persister (future 1).
 
