@@ -16,9 +16,17 @@ CHUNK_BYTES = 1 << CHUNK_BITS  # 8 MiB: the unit of hashing, staging, upload
 HASH_BYTES = 32  # BLAKE3 digest length
 SMALL_BUFFER_BYTES = 256 * KiB  # first buffer of a chunk that starts small
 HASH_INLINE_BYTES_MAX = 1 * MiB  # hash smaller chunks on the trio thread
+ZERO_SAMPLE_STRIDE_BYTES = 4 * KiB  # a sealed chunk is checked for all zeros (a hole) only if every byte at this stride is 0
+ZERO_DIGESTS_CACHED = 64  # BLAKE3 digests of all-zero chunks, by length (full chunks and recent tail lengths)
+ZERO_BLOCK_BYTES = 1 * MiB  # zeros are hashed, and written where a hole cannot be punched, in pieces of this
+ZERO_RUN_BYTES = 64 * KiB  # local backend: aligned runs of zeros this long inside a data part are left as holes
 
 # --- FUSE ---------------------------------------------------------------------
 FUSE_REQUEST_BYTES_MAX = 1 * MiB  # libfuse 3.14 fixes max_write at 256 pages
+# st_blksize: cp, dd and stdio size their I/O by it, so each request is one
+# full FUSE write.  fsstress's copy_file_range/splice place copies up to 1024
+# blocks past EOF (1 GiB): a hole, which costs nothing (see docs/design.md).
+ST_BLKSIZE_BYTES = FUSE_REQUEST_BYTES_MAX
 NAME_BYTES_MAX = 255  # like ext4 / NAME_MAX
 PATH_BYTES_MAX = 4096  # like PATH_MAX
 S3_KEY_BYTES_MAX = 1024  # S3's limit on an object key
@@ -63,6 +71,7 @@ S3_PART_BYTES_MAX = 5 * GiB  # S3's largest part
 S3_OBJECT_BYTES_MAX = 5 * TiB  # S3's largest object
 PERSIST_WIDE_PARTS_IN_FLIGHT = 2  # parts of several chunks (files over parts_max chunks) assembled in memory at once, node-wide
 S3_COPY_OBJECT_BYTES_MAX = 5 * GiB  # CopyObject limit; larger objects are copied part by part
+S3_ZERO_OBJECT_BYTES_MAX = 5 * GiB  # S3's PutObject limit: hole parts copy from one hidden zero object of the part size (larger: sent as zeros)
 S3_PUT_BYTES_MAX = 1 * MiB  # a lone short part is copied on the trio thread and sent as one PutObject
 UPLOAD_TOKEN_BYTES_MAX = 32 * KiB  # a remote-part token or receipt: a key, escaped, plus an UploadId; fits a fabric control body
 PERSIST_BACKOFF_JITTER = 0.5  # a retry sleeps backoff x uniform(1 - this, 1): files failed by one outage do not retry in step

@@ -3,25 +3,58 @@
 A file is a sequence of fixed-size chunks (``CHUNK_BYTES``); chunk ``i``
 covers bytes ``[i * CHUNK_BYTES, (i + 1) * CHUNK_BYTES)``.  A manifest is the
 concatenation of the chunks' 32-byte BLAKE3 digests; ``HOLE`` (all zeros)
-marks a chunk that was never written (it reads as zeros).  This module owns
+marks a chunk with no data (never written, or written as zeros: it reads as
+zeros, and costs no memory, spill or backend space).  This module owns
 that format, the integrity check and the rendezvous order replicas are
 placed in without a plan; it does no I/O and imports no other
 layer.
 """
 
+import functools
 from collections.abc import Iterator, Sequence
 
 import blake3
 
 from ._errors import IntegrityError
-from ._limits import CHUNK_BITS, CHUNK_BYTES, HASH_BYTES
+from ._limits import (
+    CHUNK_BITS,
+    CHUNK_BYTES,
+    HASH_BYTES,
+    ZERO_BLOCK_BYTES,
+    ZERO_DIGESTS_CACHED,
+    ZERO_SAMPLE_STRIDE_BYTES,
+)
 
 HOLE = bytes(HASH_BYTES)
+ZERO_BLOCK = bytes(ZERO_BLOCK_BYTES)  # shared, never written: calloc'd zero pages
 
 
 def digest(data) -> bytes:
     """BLAKE3 of ``data`` (bytes-like).  Releases the GIL for large inputs."""
     return blake3.blake3(data, max_threads=blake3.blake3.AUTO if len(data) >= (1 << 20) else 1).digest()
+
+
+def content_key(data) -> bytes:
+    """The manifest entry of a chunk's bytes: ``HOLE`` if they are all zeros, else their BLAKE3.
+
+    A chunk written as zeros (``dd if=/dev/zero``) is then a hole like one
+    never written.  Cheap for data: the all-zeros test runs only when every
+    byte at ZERO_SAMPLE_STRIDE_BYTES is zero, and compares digests.
+    """
+    key = digest(data)
+    view = memoryview(data).cast("B")
+    if len(view) and not view[-1] and not any(view[::ZERO_SAMPLE_STRIDE_BYTES]) and key == zero_digest(len(view)):
+        return HOLE
+    return key
+
+
+@functools.lru_cache(maxsize=ZERO_DIGESTS_CACHED)
+def zero_digest(length: int) -> bytes:
+    """BLAKE3 of ``length`` zero bytes (hashed piecewise: no buffer of that size)."""
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO if length >= (1 << 20) else 1)
+    for start in range(0, length, ZERO_BLOCK_BYTES):
+        h.update(memoryview(ZERO_BLOCK)[: min(ZERO_BLOCK_BYTES, length - start)])
+    return h.digest()
 
 
 def verify(data, expected: bytes, what: str) -> None:

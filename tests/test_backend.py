@@ -179,6 +179,25 @@ class BackendConformance:
 
         run(target, body)
 
+    def test_zero_parts_read_as_zeros(self, target: Target):
+        data = os.urandom(P)
+
+        async def body(b: Backend):
+            upload = await b.open_upload("sparse")
+            await upload.write_part(1, os.urandom(P))  # written, then a hole: the latest entry of a part wins
+            for index in (0, 1):
+                sent, copied = await upload.zero_part(index, P)
+                assert 0 <= sent <= P and 0 <= copied <= P
+            await upload.write_part(2, data)
+            await upload.zero_part(3, 100)  # a short last part
+            info = await upload.complete(3 * P + 100)
+            assert info.size == 3 * P + 100
+            assert await read_all(b, "sparse") == bytes(2 * P) + data + bytes(100)
+            assert await names(b, "") == {"sparse": False}  # nothing else to see
+
+        run(target, body)
+        assert target.leftovers() == []
+
     def test_copy_part_source_errors(self, target: Target):
         async def body(b: Backend):
             await put(b, "short", b"0123456789")
@@ -633,6 +652,55 @@ class TestLocal(BackendConformance):
 
         run_pair(target, body)
 
+    def test_zero_parts_stay_holes(self, target: Target):
+        root = target.url[len("file://") :]
+
+        async def body(b: Backend):
+            upload = await b.open_upload("sparse")
+            await upload.write_part(0, os.urandom(P))
+            await upload.zero_part(0, P)  # punched: no block of the written part is left
+            assert await upload.zero_part(1, P) == (0, 0)  # nothing sent, nothing copied
+            # a data part mostly of zeros (a write into a hole): only its data takes blocks,
+            # also where older bytes of the part were written first
+            await upload.write_part(2, os.urandom(P))
+            await upload.write_part(2, part)
+            await upload.write_part(3, b"tail")
+            await upload.complete(3 * P + 4)
+            assert await read_all(b, "sparse") == bytes(2 * P) + part + b"tail"
+
+        part = bytes(P // 2) + os.urandom(MiB) + bytes(P // 2 - MiB)
+        run(target, body)
+        st = os.stat(os.path.join(root, "sparse"))
+        assert st.st_size == 3 * P + 4
+        assert st.st_blocks * 512 <= MiB + 64 * 1024, st.st_blocks  # the data's blocks, not 24 MiB
+
+    def test_copy_keeps_holes(self, target: Target):
+        # copy_file_range alone writes a source's holes as zeros (ext4, tmpfs):
+        # a hard link of a sparse file would be stored dense
+        root = target.url[len("file://") :]
+        want = bytes(P) + b"x" * P + bytes(P) + b"tail"
+
+        async def body(b: Backend):
+            upload = await b.open_upload("src")
+            await upload.zero_part(0, P)
+            await upload.write_part(1, b"x" * P)
+            await upload.zero_part(2, P)
+            await upload.write_part(3, b"tail")
+            await upload.complete(len(want))
+            await b.copy("src", "dst")
+            assert await read_all(b, "dst") == want
+            upload = await b.open_upload("ranges")
+            await upload.copy_part(0, "src", P - 4096, P)  # a hole's end, then data
+            await upload.copy_part(1, "src", 2 * P, P)  # a whole hole
+            await upload.copy_part(2, "src", 3 * P, 4)  # the tail
+            await upload.complete(2 * P + 4)
+            assert await read_all(b, "ranges") == want[P - 4096 : 2 * P - 4096] + want[2 * P :]
+
+        run(target, body)
+        for name, data_bytes in (("dst", P + 4), ("ranges", P + 4)):
+            allocated = os.stat(os.path.join(root, name)).st_blocks * 512
+            assert allocated <= data_bytes + 64 * 1024, (name, allocated)
+
     def test_copy_part_uses_copy_file_range(self, target: Target, monkeypatch):
         calls = []
         real = os.copy_file_range
@@ -711,6 +779,31 @@ class TestS3(BackendConformance):
         assert keys == ["pre/fix/k"]
         whole = Target(f"s3://{bucket}", target.options)
         run(whole, lambda b: _expect(names(b, "pre"), {"pre/fix": True}))
+
+    def test_hole_parts_copy_one_zero_object(self, target: Target, s3_server: S3Server):
+        bucket = target.url.split("/")[2]
+
+        async def sparse(b: Backend, key: str, holes: int) -> list[tuple[int, int]]:
+            upload = await b.open_upload(key)
+            got = [await upload.zero_part(i, P) for i in range(holes)]
+            await upload.write_part(holes, b"tail")
+            await upload.complete(holes * P + 4)
+            return got
+
+        async def body(b: Backend):
+            # the first hole uploads the zero object, every hole is a copy of it
+            assert await sparse(b, "a", 3) == [(P, P), (0, P), (0, P)]
+            client = s3_server.client()
+            zeros = f"pre/fix/{_s3.ZERO_OBJECT_PREFIX}{P}"
+            client.put_object(Bucket=bucket, Key=zeros, Body=b"x" * P)  # replaced behind our back
+            assert await sparse(b, "b", 1) == [(P, P)]  # noticed (etag), made again
+            assert await read_all(b, "b") == bytes(P) + b"tail"
+            assert await names(b, "") == {"a": False, "b": False}  # hidden from listings
+
+        run(target, body)
+        # another process (a remount) finds the zero object and sends nothing
+        run(target, lambda b: _expect(sparse(b, "c", 2), [(0, P), (0, P)]))
+        assert target.leftovers() == []
 
     def test_complete_recovers_when_its_answer_is_lost(self, target: Target):
         data = os.urandom(P + 5)

@@ -643,6 +643,9 @@ def test_parts_failing_together_are_one_transient_error():
             await self.go.wait()  # every part wakes in the same scheduler batch
             raise TransientBackendError(f"write part {index}: connection refused")
 
+        async def zero_part(self, index, length):  # the parts are holes: no pool needed
+            await self.write_part(index, None)
+
         async def complete(self, size):
             raise AssertionError("complete after failed parts")
 

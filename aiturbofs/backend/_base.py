@@ -12,6 +12,7 @@ retry: the caller (the persister) owns retries and backoff.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import math
@@ -38,6 +39,9 @@ from .._limits import (
     FILE_SIZE_BYTES_MAX,
     PATH_BYTES_MAX,
     UPLOAD_TOKEN_BYTES_MAX,
+    ZERO_BLOCK_BYTES,
+    ZERO_RUN_BYTES,
+    ZERO_SAMPLE_STRIDE_BYTES,
 )
 from .._threads import background
 
@@ -238,6 +242,71 @@ def pwrite_all(fd: int, data: Buffer, offset: int) -> None:
         offset += written
 
 
+_FALLOC_FL_KEEP_SIZE = 0x01  # <linux/falloc.h>
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_libc = ctypes.CDLL(None, use_errno=True)
+_fallocate = getattr(_libc, "fallocate", None)
+if _fallocate is not None:
+    _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    _fallocate.restype = ctypes.c_int
+# fallocate cannot punch here: the range is overwritten with zeros instead
+_NO_PUNCH_ERRNOS = frozenset({errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Make ``[offset, offset+length)`` of ``fd`` read as zeros, keeping the size.
+
+    Blocking (run it in a thread).  Beyond the end of the file nothing is
+    done (a later ftruncate reads as zeros there); inside it the range is
+    deallocated (a hole), or written with zeros where the filesystem
+    cannot punch (bounded pieces).  Raises ``OSError``.
+    """
+    end = min(offset + length, os.fstat(fd).st_size)
+    if end <= offset:
+        return
+    if _fallocate is not None:
+        if _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, end - offset) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in _NO_PUNCH_ERRNOS:
+            raise OSError(err, os.strerror(err))
+    zeros = memoryview(bytes(ZERO_BLOCK_BYTES))
+    for at in range(offset, end, ZERO_BLOCK_BYTES):
+        pwrite_all(fd, zeros[: min(ZERO_BLOCK_BYTES, end - at)], at)
+
+
+_ZERO_RUN = bytes(ZERO_RUN_BYTES)
+
+
+def pwrite_sparse(fd: int, data: Buffer, offset: int) -> None:
+    """``pwrite_all``, but aligned ZERO_RUN_BYTES runs of zeros become holes (blocking).
+
+    A chunk with 1 MiB of data in a hole (a write into a sparse file) then
+    costs 1 MiB on disk, not the chunk's 8 MiB.  Zero runs are punched, so a
+    part written again over older bytes still reads right.
+    """
+    view = memoryview(data).cast("B")
+    start = 0  # of the pending run
+    pending_zero = False
+    for at in range(0, len(view), ZERO_RUN_BYTES):
+        block = view[at : at + ZERO_RUN_BYTES]
+        zero = (len(block) == ZERO_RUN_BYTES and not any(block[::ZERO_SAMPLE_STRIDE_BYTES])
+                and bytes(block) == _ZERO_RUN)
+        if zero != pending_zero and at > start:
+            _flush_run(fd, view, start, at, offset, pending_zero)
+            start = at
+        pending_zero = zero
+    if len(view) > start:
+        _flush_run(fd, view, start, len(view), offset, pending_zero)
+
+
+def _flush_run(fd: int, view: memoryview, start: int, stop: int, offset: int, zero: bool) -> None:
+    if zero:
+        punch_hole(fd, offset + start, stop - start)
+    else:
+        pwrite_all(fd, view[start:stop], offset + start)
+
+
 # --- contracts ---------------------------------------------------------------------------
 
 
@@ -301,6 +370,18 @@ class Upload(ABC):
             raise ValueError(f"copy_part offset {offset} < 0")
         self._check_part(index, length)
         await self._part_op(index, length, self._copy_part, index, src_key, offset, length, if_etag)
+
+    async def zero_part(self, index: int, length: int) -> tuple[int, int]:
+        """Make part ``index`` ``length`` zero bytes: a hole of the file.
+
+        Where the backend can, none of it is sent or stored: a local object
+        keeps a hole, S3 copies the part server-side from one hidden object
+        of zeros (uploaded once).  Elsewhere the zeros are written like any
+        part.  Returns (bytes sent from this process, bytes copied
+        server-side), for the metrics.  Raises like ``write_part``.
+        """
+        self._check_part(index, length)
+        return await self._part_op(index, length, self._zero_part, index, length)
 
     async def token(self) -> str:
         """A string with which another process writes parts of this upload
@@ -383,6 +464,10 @@ class Upload(ABC):
     async def _abort(self) -> None:
         """Idempotent: may run again after a failure or after a failed complete."""
 
+    async def _zero_part(self, index: int, length: int) -> tuple[int, int]:
+        await self._write_part(index, bytes(length))
+        return length, 0
+
     async def _token(self) -> str:
         raise NotSupported(f"upload of {self.key!r}: this backend cannot take parts from other processes")
 
@@ -402,16 +487,17 @@ class Upload(ABC):
         if self._state != "open":
             raise BackendError(f"upload of {self.key!r} was already {self._state}")
 
-    async def _part_op(self, index: int, length: int, op, *args: Any) -> None:
+    async def _part_op(self, index: int, length: int, op, *args: Any) -> Any:
         with self._in_flight():
             try:
                 # A cancelled write fails even where the backend would not block.
                 await trio.lowlevel.checkpoint_if_cancelled()
-                await op(*args)
+                result = await op(*args)
             except BaseException:
                 self._part_lengths.pop(index, None)
                 raise
             self._part_lengths[index] = length
+            return result
 
     @contextlib.contextmanager
     def _in_flight(self) -> Iterator[None]:

@@ -42,6 +42,7 @@ from ._base import (
     is_valid_name,
     join_key,
     parent_key,
+    punch_hole,
     pwrite_all,
     run_sync,
     take_options,
@@ -248,6 +249,13 @@ class FsspecUpload(Upload):
         await self._backend._run(
             f"write part {index} of {self.key!r}", pwrite_all, self._fd, data, index * self.part_bytes, abandon_on_cancel=False
         )
+
+    async def _zero_part(self, index: int, length: int) -> tuple[int, int]:
+        # A hole of the local staging file (no temp disk used); put_file
+        # still sends the zeros, as the store at the other end may have no holes.
+        await self._backend._run(f"zero part {index} of {self.key!r}", punch_hole, self._fd,
+                                 index * self.part_bytes, length, abandon_on_cancel=False)
+        return length, 0
 
     async def _copy_part(self, index: int, src_key: str, offset: int, length: int, if_etag: str | None) -> None:
         what = f"copy {src_key!r}[{offset}:{offset + length}] to part {index} of {self.key!r}"

@@ -34,7 +34,9 @@ from ._base import (
     join_key,
     make_token,
     parse_token,
+    punch_hole,
     pwrite_all,
+    pwrite_sparse,
     run_sync,
     take_options,
     timeout_option,
@@ -209,12 +211,20 @@ class LocalUpload(Upload):
     async def _write_part(self, index: int, data: Buffer) -> None:
         await self._backend._run(
             f"write part {index} of {self.key!r}",
-            pwrite_all,
+            pwrite_sparse,
             self._fd,
             data,
             index * self.part_bytes,
             abandon_on_cancel=False,
         )
+
+    async def _zero_part(self, index: int, length: int) -> tuple[int, int]:
+        # The temp file is new: an unwritten range is a hole already, and
+        # publish's ftruncate makes the tail one.  Punched in case the part
+        # was written before (the latest entry of a part wins).
+        await self._backend._run(f"zero part {index} of {self.key!r}", punch_hole, self._fd,
+                                 index * self.part_bytes, length, abandon_on_cancel=False)
+        return 0, 0
 
     async def _copy_part(self, index: int, src_key: str, offset: int, length: int, if_etag: str | None) -> None:
         what = f"copy {src_key!r}[{offset}:{offset + length}] to part {index} of {self.key!r}"
@@ -425,15 +435,55 @@ def _copy_range_sync(
     """
     src_fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        etag = _etag(os.fstat(src_fd))
+        st = os.fstat(src_fd)
+        etag = _etag(st)
         if if_etag is not None and etag != if_etag:
             return etag, 0
-        done = _copy_file_range(src_fd, dst_fd, src_offset, dst_offset, length)
-        if done < length:
-            done += _copy_by_reading(src_fd, dst_fd, src_offset + done, dst_offset + done, length - done)
+        # A published object never changes (a new version is a new inode), so
+        # its size bounds the range, and its holes are copied as holes.
+        end = min(src_offset + length, st.st_size)
+        done = 0
+        for start, stop, is_data in _extents(src_fd, src_offset, end):
+            at = dst_offset + start - src_offset
+            if not is_data:
+                punch_hole(dst_fd, at, stop - start)
+                done += stop - start
+                continue
+            copied = _copy_file_range(src_fd, dst_fd, start, at, stop - start)
+            if copied < stop - start:
+                copied += _copy_by_reading(src_fd, dst_fd, start + copied, at + copied, stop - start - copied)
+            done += copied
+            if copied < stop - start:
+                break
         return etag, done
     finally:
         os.close(src_fd)
+
+
+def _extents(fd: int, start: int, end: int) -> Iterator[tuple[int, int, bool]]:
+    """``(start, stop, is_data)`` runs covering ``[start, end)`` of ``fd``, by SEEK_DATA/SEEK_HOLE.
+
+    One data run where the filesystem cannot tell holes (copied as bytes).
+    """
+    pos = start
+    while pos < end:
+        try:
+            data = min(os.lseek(fd, pos, os.SEEK_DATA), end)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # only a hole from here to the end of the file
+                data = end
+            elif e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                yield pos, end, True
+                return
+            else:
+                raise
+        if data > pos:
+            yield pos, data, False
+        if data >= end:
+            return
+        hole = min(os.lseek(fd, data, os.SEEK_HOLE), end)
+        yield data, hole, True
+        pos = hole
 
 
 def _write_remote_sync(tmp_path: str, data: Buffer, offset: int) -> None:
@@ -449,7 +499,7 @@ def _write_remote_sync(tmp_path: str, data: Buffer, offset: int) -> None:
         # The owner renames under LOCK_EX: a temp still at its name now stays there until we are done.
         if not _still_linked(tmp_path, fd):
             raise gone
-        pwrite_all(fd, data, offset)
+        pwrite_sparse(fd, data, offset)
         os.fsync(fd)
     finally:
         os.close(fd)  # also drops the lock

@@ -57,8 +57,11 @@ from .._limits import (
     S3_PARTS_MAX,
     S3_PUT_BYTES_MAX,
     S3_STALE_UPLOADS_MAX,
+    S3_ZERO_OBJECT_BYTES_MAX,
+    ZERO_BLOCK_BYTES,
 )
 from ._base import (
+    UPLOAD_TEMP_PREFIX,
     Backend,
     Buffer,
     ObjectInfo,
@@ -79,6 +82,11 @@ assert CHUNK_BYTES >= S3_PART_BYTES_MIN, "every part but the last must meet S3's
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# Hidden objects of zeros, one per part size, that hole parts are copied
+# from: S3 has no holes, so a sparse file's holes cost one upload of zeros
+# per bucket prefix, then only UploadPartCopy requests.  The reserved
+# upload-temp prefix keeps them out of every listing and every key.
+ZERO_OBJECT_PREFIX = f"{UPLOAD_TEMP_PREFIX}zeros."
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 # Error codes that say "try again later" even when the status is not 5xx.
@@ -215,6 +223,8 @@ class S3Backend(Backend):
         # again) and at close.  Without this an outage during an upload left
         # its parts in the bucket, invisible and billed, until a lifecycle rule.
         self._stale_uploads: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._zero_objects: dict[int, ObjectInfo] = {}  # part size -> its verified zero object
+        self._zero_lock = trio.Lock()  # concurrent hole parts make the zero object once
 
     @classmethod
     async def open(cls, url: str, options: dict[str, Any], *, check: bool = True) -> S3Backend:
@@ -361,6 +371,31 @@ class S3Backend(Backend):
             except BackendError as e:  # refused for good: nothing more to do about it
                 log.warning("s3_upload_left_open key=%s upload_id=%s error=%r", s3_key, upload_id, str(e))
 
+    async def _zero_object(self, size: int, stale: ObjectInfo | None = None) -> tuple[ObjectInfo, int]:
+        """The hidden object of ``size`` zeros, and the bytes sent to make it (0 if it was there).
+
+        One found in the bucket is used only if its size and MD5 ETag say it
+        holds zeros.  ``stale``: that version failed a copy (removed or
+        replaced): write it again.
+        """
+        key = f"{ZERO_OBJECT_PREFIX}{size}"
+        async with self._zero_lock:
+            info = self._zero_objects.get(size)
+            if info is not None and info != stale:
+                return info, 0
+            info = None if stale is not None else await self._head(key)
+            sent = 0
+            if info is None or info.size != size or info.etag != await trio.to_thread.run_sync(_zeros_md5, size):
+                await self._call(f"write zero object {key!r}", "put_object", Bucket=self._bucket,
+                                 Key=self._s3_key(key), Body=bytes(size))
+                sent = size
+                info = await self._head(key)
+                if info is None or info.size != size:
+                    raise BackendError(f"write zero object {key!r}: the server has {info}, not {size} bytes")
+                log.info("s3_zero_object key=%s size=%d (hole parts are copied from it)", self._s3_key(key), size)
+            self._zero_objects[size] = info
+            return info, sent
+
     def _s3_key(self, key: str) -> str:
         return join_key(self._prefix, key) if key else self._prefix
 
@@ -478,6 +513,20 @@ class S3Upload(Upload):
             **condition,
         )
         self._store_etag(index, response["CopyPartResult"]["ETag"])
+
+    async def _zero_part(self, index: int, length: int) -> tuple[int, int]:
+        _check_part_number(self.key, index, self.part_bytes, self._b.parts_max)
+        if (index == 0 and length < min(self.part_bytes, S3_PUT_BYTES_MAX)) or self.part_bytes > S3_ZERO_OBJECT_BYTES_MAX:
+            return await super()._zero_part(index, length)  # a small object goes whole in one PutObject anyway
+        src, sent = await self._b._zero_object(self.part_bytes)
+        try:
+            await self._copy_part(index, src.key, 0, length, src.etag)
+        except (SourceChanged, BackendNotFound) as exc:
+            log.warning("s3_zero_object_changed key=%s error=%r (writing it again)", src.key, str(exc))
+            src, again = await self._b._zero_object(self.part_bytes, stale=src)
+            sent += again
+            await self._copy_part(index, src.key, 0, length, src.etag)
+        return sent, length
 
     async def _token(self) -> str:
         upload_id = await self._multipart_id()
@@ -667,6 +716,15 @@ def _mtime_ns(when: datetime | None) -> int:
 def _etag(head: dict[str, Any]) -> str | None:
     etag = head.get("ETag")
     return etag.strip('"') if etag else None
+
+
+def _zeros_md5(size: int) -> str:
+    """The ETag S3 gives one PutObject of ``size`` zeros (hashed piecewise)."""
+    h = hashlib.md5()
+    block = memoryview(bytes(ZERO_BLOCK_BYTES))
+    for start in range(0, size, ZERO_BLOCK_BYTES):
+        h.update(block[: min(ZERO_BLOCK_BYTES, size - start)])
+    return h.hexdigest()
 
 
 def _multipart_etag(etags: list[str]) -> str | None:

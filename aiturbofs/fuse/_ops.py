@@ -11,7 +11,7 @@ import stat
 import pyfuse3
 
 from .._errors import NotSupported
-from .._limits import ATTR_TIMEOUT_S, NAME_BYTES_MAX
+from .._limits import ATTR_TIMEOUT_S, NAME_BYTES_MAX, ST_BLKSIZE_BYTES
 from ..meta import InodeRow
 from ..vfs import Filesystem
 from ._errors import FaultInjector, fuse_handler
@@ -33,7 +33,7 @@ def entry(row: InodeRow) -> pyfuse3.EntryAttributes:
     e.st_gid = row.gid
     e.st_rdev = row.rdev
     e.st_size = row.size
-    e.st_blksize = 1 << 20
+    e.st_blksize = ST_BLKSIZE_BYTES
     e.st_blocks = (row.size + 511) // 512
     e.st_atime_ns = row.atime_ns
     e.st_mtime_ns = row.mtime_ns

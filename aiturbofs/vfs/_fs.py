@@ -5,7 +5,8 @@
 
 Write path (future 0): ``write`` copies into an open chunk buffer from the
 pool; a chunk that fills up is hashed in a worker thread and sealed into the
-pool while the writer goes on; ``flush``/``fsync``/``release`` seal the rest,
+pool while the writer goes on (one of all zeros becomes a hole: no memory);
+``flush``/``fsync``/``release`` seal the rest,
 commit the manifest (ordered chunk hashes, size, state ``staged``) to the
 metadata engine and hand the file to the persister (future 1).
 
@@ -741,7 +742,7 @@ class Filesystem:
             valid = chunk.chunk_length(content.size, index)
             want = max(end, valid)
             cap = CHUNK_BYTES if (want > SMALL_BUFFER_BYTES or index > 0) else max(4096, 1 << (want - 1).bit_length())
-            buf = await self.pool.alloc(cap)
+            buf = await self._alloc(content, index, cap)
             # A truncate (which takes no lock) may have shortened the slots while we waited.
             content.ensure_slots(index)
             slot = content.slots[index]  # may have changed while we waited
@@ -761,6 +762,29 @@ class Filesystem:
             content.slots[index] = new
             self._free_slot(slot, node)
             return new
+
+    async def _alloc(self, content: FileContent, index: int, cap: int) -> bytearray:
+        """A buffer for chunk ``index``; when the pool is full, first seal the open chunks of open files.
+
+        A chunk written in part stays open (its buffer outside the pool's
+        reach) until close seals it: random writes over more chunks than the
+        budget holds (scattered copies into a sparse file) waited forever.
+        Sealed, they are pinned entries like full chunks, which the pool
+        spills under pressure; a later write reopens them from there.
+        """
+        buf = await self.pool.alloc(cap, wait=False)
+        if buf is not None:
+            return buf
+        for handle in list(self._handles.values()):
+            other = handle.inode.content
+            if other is None:
+                continue
+            # Not a file's last chunk: the next write past EOF may grow it,
+            # and a chunk sealed short would then be a wrong-length part.
+            for i, slot in enumerate(other.slots[: chunk.chunk_count(other.size) - 1]):
+                if slot is not None and slot.buf is not None and not (other is content and i == index):
+                    await self._seal(other, i, slot)
+        return await self.pool.alloc(cap)
 
     async def _fill_from(self, node: Inode, content: FileContent, index: int, slot: Slot | None, buf: bytearray, valid: int) -> int:
         """Copy the current bytes of chunk ``index`` into ``buf``; returns bytes filled."""
@@ -829,13 +853,19 @@ class Filesystem:
         if length > HASH_INLINE_BYTES_MAX:
             # the sealer works ahead at low priority; close()/fsync wait on it
             if urgent:
-                key = await trio.to_thread.run_sync(chunk.digest, view)
+                key = await trio.to_thread.run_sync(chunk.content_key, view)
             else:
-                key = await trio.to_thread.run_sync(background, chunk.digest, view)
+                key = await trio.to_thread.run_sync(background, chunk.content_key, view)
         else:
-            key = chunk.digest(view)
+            key = chunk.content_key(view)
         if content.slot_at(index) is not slot or slot.seq != seq or slot.buf is None or chunk.chunk_length(content.size, index) != length:
             return False
+        if key == chunk.HOLE:
+            # written as zeros: a hole like one never written (no pool memory,
+            # no spill, no backend blocks)
+            content.slots[index] = None
+            self._free_slot(slot)
+            return True
         buf, slot.buf = slot.buf, None
         slot.key = key
         slot.pinned = True
@@ -1022,10 +1052,9 @@ class Filesystem:
         for index, _slot in enumerate(content.slots):
             length = chunk.chunk_length(content.size, index)
             data = await self._read_external(node, index, length)
-            key = chunk.digest(data)
-            keys.append(key)
+            keys.append(chunk.content_key(data))  # zeros (a sparse object's holes) stay holes
         for index, key in enumerate(keys):
-            content.slots[index] = Slot(key=key)
+            content.slots[index] = None if key == chunk.HOLE else Slot(key=key)
         manifest = chunk.pack_manifest(keys)
         node.row = await self.meta.set_attrs(node.ino, manifest=manifest)
 

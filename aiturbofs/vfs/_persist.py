@@ -793,7 +793,13 @@ class Persister:
     async def _upload_wide_part(self, upload, row, keys: list[bytes], index: int, wide: int) -> None:
         try:
             first = index * wide
-            buf = bytearray(min(upload.part_bytes, row.size - first * CHUNK_BYTES))
+            length = min(upload.part_bytes, row.size - first * CHUNK_BYTES)
+            if all(k == chunk.HOLE for k in keys[first:first + wide]):
+                sent, copied = await upload.zero_part(index, length)  # a hole: nothing to assemble
+                self.bytes_uploaded += sent
+                self.bytes_copied += copied
+                return
+            buf = bytearray(length)
             for i in range(first, min(first + wide, len(keys))):
                 key = keys[i]
                 if key == chunk.HOLE:
@@ -833,9 +839,10 @@ class Persister:
     async def _upload_part(self, upload, row, key: bytes, index: int, limiter, parts: "_PartPlan | None") -> None:
         try:
             length = chunk.chunk_length(row.size, index)
-            if key == chunk.HOLE:
-                await upload.write_part(index, bytes(length))
-                self.bytes_uploaded += length
+            if key == chunk.HOLE:  # no bytes to read: the backend keeps a hole (or copies zeros)
+                sent, copied = await upload.zero_part(index, length)
+                self.bytes_uploaded += sent
+                self.bytes_copied += copied
                 return
             if parts is not None:
                 if await self._copy_part(upload, parts, index, key, length):
