@@ -576,10 +576,10 @@ class Persister:
         for other in list(self._moved):
             if other == ino:
                 continue
-            live, keys = await self._moved_keys(other)
+            holds, keys = await self._moved_keys(other)
             # also objects below ``key`` (a backend directory still in use
             # there) or at a directory above it (a file where one is needed)
-            if live and any(k == key or (below and k.startswith(key + "/")) or k in above for k in keys):
+            if holds and any(k == key or (below and k.startswith(key + "/")) or k in above for k in keys):
                 return other
         return None
 
@@ -603,13 +603,20 @@ class Persister:
         return False
 
     async def _moved_keys(self, ino: int) -> tuple[bool, list[str]]:
-        """(linked and not broken, backend keys) of a moved inode, cached."""
+        """(holds its keys: linked, not broken, not a directory; backend keys) of a moved inode, cached.
+
+        A directory's old form is no other file's only copy: a name below it
+        may be written or deleted, and a file at its very key meets it as a
+        conflict (``_place``).  Counting it, a renamed directory kept the
+        stale objects of the files below it (hard links) from being deleted.
+        """
         marker = self._moved.get(ino)
         if isinstance(marker, tuple):
             return marker
         try:
             row = await self.meta.get_inode(ino)
-            known = (row.nlink > 0 and row.state != STATE_BROKEN, list(row.backend_keys))
+            holds = row.nlink > 0 and row.state != STATE_BROKEN and not stat.S_ISDIR(row.mode)
+            known = (holds, list(row.backend_keys))
         except NotFound:
             known = (False, [])
         if ino in self._moved and self._moved[ino] is marker and ino not in self._running:
