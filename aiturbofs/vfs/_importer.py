@@ -16,7 +16,7 @@ import time
 
 import trio
 
-from .._errors import BackendError, Exists, NotFound
+from .._errors import BackendError, Exists, NotFound, TransientBackendError
 from .._limits import IMPORT_NODE_PROBES_IN_FLIGHT, IMPORT_READDIR_BATCH_ENTRIES, LIST_ENTRIES_MAX, NAME_BYTES_MAX
 from .._nursery import open_nursery
 from ..backend import NodeAttrs, ObjectInfo
@@ -137,7 +137,7 @@ class Importer:
                 # new file: importing it would bring deleted files back.
                 if claimed is None:
                     claimed = _with_dirs(await self.fs.persister.claimed_keys(listed_at))
-                if info.key in claimed:
+                if info.key in claimed or (info.key in nodes and nodes[info.key] is None):
                     continue
                 await self._create(dir_row, name, info, nodes.get(info.key))
             elif row.state == STATE_DURABLE and stat.S_ISREG(row.mode) and not info.is_dir:
@@ -153,22 +153,27 @@ class Importer:
         n = name.decode("utf-8", "surrogateescape")
         return f"{prefix}/{n}" if prefix else n
 
-    async def _probe_nodes(self, infos: list[ObjectInfo], existing: dict) -> dict[str, NodeAttrs]:
+    async def _probe_nodes(self, infos: list[ObjectInfo], existing: dict) -> dict[str, NodeAttrs | None]:
         """The nodes among the new entries: those the listing shows as nodes,
-        and (S3) small objects whose metadata may say so, HEADed in parallel."""
+        and (S3) small objects whose metadata may say so, HEADed in parallel.
+        None: could not tell now (a transient error); such entries wait for the next import."""
         backend = self.fs.backend
         wanted = [
             info.key for info in infos
             if not info.is_dir and info.key.rsplit("/", 1)[-1].encode("utf-8", "surrogateescape") not in existing
             and (stat.S_IFMT(info.mode) not in (0, stat.S_IFREG) or info.size <= backend.node_probe_bytes_max)
         ]
-        found: dict[str, NodeAttrs] = {}
+        found: dict[str, NodeAttrs | None] = {}
         limit = trio.Semaphore(IMPORT_NODE_PROBES_IN_FLIGHT)
 
         async def probe(key: str) -> None:
             async with limit:
                 try:
                     node = await backend.read_node(key)
+                except TransientBackendError as exc:
+                    log.warning("import: %r skipped this time (is it a symlink?): %s", key, exc)
+                    found[key] = None  # not imported now: the next listing asks again
+                    return
                 except BackendError as exc:
                     log.warning("import: %r imported as a plain file: %s", key, exc)
                     return
