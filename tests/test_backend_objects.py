@@ -217,3 +217,12 @@ def test_cp_a_of_the_file_backend_keeps_the_forms(make_mount, tmp_path):
     assert os.readlink(copy / "ckpt" / "latest") == "step-100"
     assert os.listdir(copy / "ckpt" / "empty") == []
     assert stat.S_ISFIFO(os.lstat(copy / "ckpt" / "pipe").st_mode)
+
+
+def test_s3_node_probe_off_imports_small_objects_as_files(make_mount, s3_server):  # noqa: F811
+    store = S3(s3_server)
+    store.put("link", b"target", {"mode": str(stat.S_IFLNK | 0o777)})
+    m = make_mount(store.url, name="noprobe", s3_node_probe="no", **store.options)
+    st = os.lstat(m.path("link"))
+    assert stat.S_ISREG(st.st_mode) and st.st_size == len(b"target")
+    assert m.stop() == 0, m.log()

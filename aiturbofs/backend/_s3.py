@@ -179,6 +179,7 @@ class S3Backend(Backend):
     Options: ``s3_endpoint`` (endpoint URL), ``s3_region``, ``s3_anon``,
     ``s3_key`` / ``s3_secret`` (else AWS_* env vars and the boto chain),
     ``s3_connect_timeout`` (seconds, default BACKEND_CONNECT_TIMEOUT_S),
+    ``s3_node_probe`` (default on: see ``node_probe_bytes_max``),
     ``call_timeout_s``.  ``makedirs`` is a no-op: S3 has no directories.
     ``move`` is a copy then a delete, not atomic.  Where an object ``a`` and
     a prefix ``a/`` both exist, ``list_dir`` returns both.
@@ -196,7 +197,8 @@ class S3Backend(Backend):
     list_page_keys = 1000  # S3's own maximum; tests lower it to exercise paging
     node_kinds = frozenset({stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFCHR, stat.S_IFBLK, stat.S_IFSOCK})
     node_probe_bytes_max = SYMLINK_TARGET_BYTES_MAX  # a listing has no metadata: small objects are HEADed
-    _OPTIONS = {"s3_endpoint", "s3_region", "s3_anon", "s3_key", "s3_secret", "s3_connect_timeout", "call_timeout_s"}
+    _OPTIONS = {"s3_endpoint", "s3_region", "s3_anon", "s3_key", "s3_secret", "s3_connect_timeout", "s3_node_probe",
+                "call_timeout_s"}
 
     def __init__(self, fs: s3fs.S3FileSystem, bucket: str, prefix: str, timeout_s: float):
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
@@ -224,6 +226,8 @@ class S3Backend(Backend):
         take_options(options, cls._OPTIONS, "s3")
         bucket, prefix = _parse_url(url)
         backend = cls(_make_fs(options), bucket, prefix, timeout_option(options))
+        if not option_bool(options, "s3_node_probe", True):
+            backend.node_probe_bytes_max = -1  # a HEAD per small new object costs a round trip each
         await backend._check_bucket(options.get("s3_endpoint") or "AWS")
         return backend
 

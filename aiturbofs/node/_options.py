@@ -47,6 +47,8 @@ OPTIONS = {
     "s3_region": ("str", "S3 region"),
     "s3_anon": ("flag", "anonymous S3 access"),
     "s3_connect_timeout": ("float", "seconds to wait for an S3 connection"),
+    "s3_node_probe": ("choice:yes|no", "yes (default): imports HEAD new objects of up to 4095 bytes to find symlinks "
+                             "and special files (s3fs-fuse metadata); no: such objects import as files"),
     "allow_other": ("flag", "let other users access the mount, the kernel checking modes (default: on when "
                             "mounted by root, as on a shared training node; allow_other=no to keep it private)"),
     "ro": ("flag", "mount read-only"),
