@@ -18,6 +18,7 @@ import time
 import pytest
 from mounting import aiturbo
 from s3server import S3Server, s3_server  # noqa: F401  (s3_server is a fixture)
+from test_durability import WAIT_S, aiturbo_proc, s3, s3_outage_server, s3m  # noqa: F401  (fixtures)
 
 IMPORT_SETTLE_S = 1.6  # import_ttl=0.5 (tests' default) + the kernel's 1 s attribute cache
 
@@ -86,11 +87,16 @@ def mount(make_mount, store):
 
 
 def settle(m) -> None:
-    """Everything durable (aiturbo wait covers directories and their symlinks), then unmounted."""
-    r = aiturbo("wait", "--timeout", "60", m.mountpoint, check=False)
-    assert r.returncode == 0, r.stderr + m.log()
+    """Everything durable, then unmounted."""
+    wait(m)
     assert m.stop() == 0, m.log()
     assert "BUG" not in m.log() and "Traceback" not in m.log(), m.log()
+
+
+def wait(m) -> None:
+    """``aiturbo wait`` on the whole mount: it covers directories and their symlinks and FIFOs."""
+    r = aiturbo("wait", "--timeout", "60", m.mountpoint, check=False)
+    assert r.returncode == 0, r.stderr + m.log()
 
 
 def make_checkpoint(m) -> None:
@@ -105,8 +111,7 @@ def make_checkpoint(m) -> None:
 def test_symlink_empty_dir_and_fifo_survive_a_fresh_state_dir(make_mount, store):
     m = mount(make_mount, store)
     make_checkpoint(m)
-    settle(m)
-
+    wait(m)  # the backend holds them once aiturbo wait returns, before any drain at unmount
     if store.kind == "file":
         assert os.readlink(store.path("ckpt/latest")) == "step-100"
         assert os.path.isdir(store.path("ckpt/empty")) and os.listdir(store.path("ckpt/empty")) == []
@@ -122,6 +127,7 @@ def test_symlink_empty_dir_and_fifo_survive_a_fresh_state_dir(make_mount, store)
         assert stat.S_IMODE(int(pipe["Metadata"]["mode"])) == 0o640
         for field in ("uid", "gid", "mtime"):
             assert field in link["Metadata"], link["Metadata"]
+    assert m.stop() == 0, m.log()
 
     again = mount(make_mount, store)
     assert os.readlink(again.path("ckpt", "latest")) == "step-100"
@@ -225,4 +231,29 @@ def test_s3_node_probe_off_imports_small_objects_as_files(make_mount, s3_server)
     m = make_mount(store.url, name="noprobe", s3_node_probe="no", **store.options)
     st = os.lstat(m.path("link"))
     assert stat.S_ISREG(st.st_mode) and st.st_size == len(b"target")
+    assert m.stop() == 0, m.log()
+
+
+def test_wait_covers_symlinks_and_directories_through_an_outage(s3m):  # noqa: F811
+    m = s3m.mount()
+    os.mkdir(m.path("ckpt"))
+    r = aiturbo("wait", "--timeout", "30", m.mountpoint, check=False)
+    assert r.returncode == 0, r.stderr
+    s3m.server.stop()
+    os.symlink("step-7", m.path("ckpt", "latest"))
+    os.mkdir(m.path("ckpt", "empty"))
+    assert os.getxattr(m.path("ckpt"), "user.aiturbo.state") in (b"staged", b"persisting")  # its symlink
+    r = aiturbo("wait", "--timeout", "1", m.path("ckpt"), check=False)
+    assert r.returncode == 3 and "timed out" in r.stderr, r.stderr
+    waiter = aiturbo_proc("wait", m.path("ckpt"))
+    time.sleep(2)
+    assert waiter.poll() is None, "aiturbo wait returned while the backend was down"
+    s3m.server.start()  # empty: the bucket comes back without ckpt/'s marker
+    _, err = waiter.communicate(timeout=WAIT_S)
+    assert waiter.returncode == 0, err
+    assert os.getxattr(m.path("ckpt", "empty"), "user.aiturbo.state") == b"durable"
+    client = s3m.server.client()
+    link = client.head_object(Bucket=s3m.bucket, Key="pre/ckpt/latest")
+    assert stat.S_ISLNK(int(link["Metadata"]["mode"]))
+    assert client.head_object(Bucket=s3m.bucket, Key="pre/ckpt/empty/")["ContentLength"] == 0
     assert m.stop() == 0, m.log()
