@@ -385,6 +385,8 @@ class Filesystem:
             ino=0, mode=mode, uid=uid, gid=gid, size=len(target) if target else 0,
             nlink=1, atime_ns=now, mtime_ns=now, ctime_ns=now, rdev=rdev, target=target,
             state=STATE_STAGED if kept else None, backend_keys=[],
+            # a node persists from its row alone: its creator writes it (a file's commit names its owner)
+            owner=self.cluster.node if self.cluster is not None and kept and not is_reg else None,
         )
         row = await self.meta.create(parent, name, row)
         node = self._remember(row)

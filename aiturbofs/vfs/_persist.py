@@ -348,8 +348,15 @@ class Persister:
         for row in await self.meta.inodes_in_states([STATE_STAGED, STATE_PERSISTING]):
             if row.owner is None or row.owner not in dead or row.nlink == 0:
                 continue
-            live = [h for h in row.holders if h not in dead]
             name = await self._name(row.ino)
+            if not stat.S_ISREG(row.mode):
+                # A node's row is all there is to it: any live node writes it
+                # (the compare-and-set lets exactly one take it).
+                if await self.meta.claim_owner(row.ino, row.version, row.owner, me):
+                    log.warning("taken_over path=%s dead_owner=%s (a node: writing it from here)", name, row.owner)
+                    self.enqueue(row.ino)
+                continue
+            live = [h for h in row.holders if h not in dead]
             if not live:
                 if await self.meta.set_state(row.ino, STATE_BROKEN, if_version=row.version):
                     self._record_broken(name, f"every node holding it ({', '.join(row.holders)}) died before it was durable")
