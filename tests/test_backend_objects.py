@@ -257,3 +257,20 @@ def test_wait_covers_symlinks_and_directories_through_an_outage(s3m):  # noqa: F
     assert stat.S_ISLNK(int(link["Metadata"]["mode"]))
     assert client.head_object(Bucket=s3m.bucket, Key="pre/ckpt/empty/")["ContentLength"] == 0
     assert m.stop() == 0, m.log()
+
+
+def test_nodes_staged_at_a_crash_persist_after_the_restart(s3m):  # noqa: F811
+    m = s3m.mount()
+    s3m.server.stop()
+    os.mkdir(m.path("ckpt"))
+    os.symlink("step-1", m.path("ckpt", "latest"))
+    m.kill()  # kill -9: nothing of them reached the backend
+    s3m.server.start()
+    again = s3m.mount(name="again", state_dir=m.state_dir)
+    wait(again)
+    client = s3m.server.client()
+    assert client.get_object(Bucket=s3m.bucket, Key="pre/ckpt/latest")["Body"].read() == b"step-1"
+    assert client.head_object(Bucket=s3m.bucket, Key="pre/ckpt/")["ContentLength"] == 0
+    assert os.readlink(again.path("ckpt", "latest")) == "step-1"
+    assert again.stop() == 0, again.log()
+    assert "BUG" not in again.log() and "Traceback" not in again.log(), again.log()
