@@ -533,9 +533,16 @@ class BackendConformance:
             assert await names(b, "n/empty") == {}  # a marker is never an entry of its own directory
             for plain in ("n/plain", "n/empty", "n/missing"):
                 assert await b.read_node(plain) is None
+            await b.write_node("n/full", NodeAttrs(stat.S_IFDIR | 0o755))
+            await put(b, "n/full/f", b"y")
+            await b.remove_dir("n/full")  # not empty: stays, marker and all
+            assert await names(b, "n/full") == {"n/full/f": False}
+            await b.delete("n/full/f")
             await b.delete("n/link")
             await b.delete("n/fifo")
             await b.remove_dir("n/empty")
+            assert (await names(b, "n"))["n/full"] is True  # its marker keeps the emptied directory
+            await b.remove_dir("n/full")
             assert await names(b, "n") == {"n/plain": False}
 
         run(target, body)

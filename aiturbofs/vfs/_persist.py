@@ -612,10 +612,9 @@ class Persister:
     async def _moved_keys(self, ino: int) -> tuple[bool, list[str]]:
         """(holds its keys: linked, not broken, not a directory; backend keys) of a moved inode, cached.
 
-        A directory's old form is no other file's only copy: a name below it
-        may be written or deleted, and a file at its very key meets it as a
-        conflict (``_place``).  Counting it, a renamed directory kept the
-        stale objects of the files below it (hard links) from being deleted.
+        A directory's old form is no file's only copy: names below it may be
+        written or deleted, and a file at its very key meets it as a conflict
+        (``_place``).
         """
         marker = self._moved.get(ino)
         if isinstance(marker, tuple):
