@@ -16,6 +16,7 @@ import subprocess
 import time
 
 import pytest
+from faults import FaultyS3Proxy
 from mounting import aiturbo
 from s3server import S3Server, s3_server  # noqa: F401  (s3_server is a fixture)
 from test_durability import WAIT_S, aiturbo_proc, s3, s3_outage_server, s3m  # noqa: F401  (fixtures)
@@ -274,3 +275,19 @@ def test_nodes_staged_at_a_crash_persist_after_the_restart(s3m):  # noqa: F811
     assert os.readlink(again.path("ckpt", "latest")) == "step-1"
     assert again.stop() == 0, again.log()
     assert "BUG" not in again.log() and "Traceback" not in again.log(), again.log()
+
+
+def test_a_symlink_whose_head_fails_is_imported_at_the_next_listing(make_mount, s3_server):  # noqa: F811
+    """A 5xx on the HEAD that tells a symlink from a file: the entry waits, it
+    does not become a plain file for good."""
+    store = S3(s3_server)
+    store.put("d/latest", b"step-3", {"mode": str(stat.S_IFLNK | 0o777)})
+    with FaultyS3Proxy(s3_server.port) as proxy:
+        m = make_mount(store.url, name="faulty", s3_endpoint=proxy.endpoint)
+        proxy.set(error_rate=1.0, error_methods=frozenset({"HEAD"}))  # after the mount's HeadBucket
+        assert os.listdir(m.path("d")) == []  # listed, but not known yet
+        assert "skipped this time" in m.log()
+        proxy.set(error_rate=0.0)
+        time.sleep(IMPORT_SETTLE_S)
+        assert os.readlink(m.path("d", "latest")) == "step-3"
+        assert m.stop() == 0, m.log()
