@@ -96,6 +96,9 @@ IMPORT_TTL_S = 5.0  # default -o import_ttl: re-list a backend directory after t
 # is unavailable).  A never-imported directory waits for its first listing.
 IMPORT_WAIT_S = 1.0
 LIST_ENTRIES_MAX = 1_000_000  # entries imported from one backend directory
+# HEADs at once while an import asks whether small new objects are symlinks
+# or special files (S3 lists no metadata: see Backend.node_probe_bytes_max).
+IMPORT_NODE_PROBES_IN_FLIGHT = 8
 
 # --- metadata ---------------------------------------------------------------------
 META_THREADS_MAX = 1  # sqlite: one connection, one thread

@@ -73,6 +73,7 @@ class FaultyS3Proxy:
         self.target = (HOST, target_port)
         self.down = False
         self.error_rate = 0.0
+        self.error_methods: frozenset[str] | None = None  # None: errors hit every method
         self.delay_s: float | tuple[float, float] = 0.0
         self.log: list[Request] = []
         self._random = random.Random(seed)
@@ -90,14 +91,16 @@ class FaultyS3Proxy:
     # -- what the test uses --
 
     def set(self, *, down: bool | None = None, error_rate: float | None = None,
-            delay_s: float | tuple[float, float] | None = None) -> None:
-        """Switch modes; arguments left out keep their value."""
+            delay_s: float | tuple[float, float] | None = None, error_methods: frozenset[str] | None = None) -> None:
+        """Switch modes; arguments left out keep their value.  ``error_methods``
+        goes with ``error_rate``: only these HTTP methods get errors (None: all)."""
         with self._lock:
             if down is not None:
                 self.down = down
             if error_rate is not None:
                 assert 0.0 <= error_rate <= 1.0, error_rate
                 self.error_rate = error_rate
+                self.error_methods = error_methods
             if delay_s is not None:
                 self.delay_s = delay_s
         if down:
@@ -202,7 +205,8 @@ class FaultyS3Proxy:
                 return "reset", 0.0
             delay = self.delay_s
             delay_s = self._random.uniform(*delay) if isinstance(delay, tuple) else delay
-            if self._random.random() >= self.error_rate:
+            if self._random.random() >= self.error_rate or (
+                    self.error_methods is not None and method not in self.error_methods):
                 return "forwarded", delay_s
             after = method in IDEMPOTENT and self._random.random() < 0.5
             return ("error-after" if after else "error"), delay_s

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import secrets
+import stat
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ from aiturbofs._errors import (
     TransientBackendError,
 )
 from aiturbofs._limits import CHUNK_BYTES, MiB
-from aiturbofs.backend import UPLOAD_TEMP_PREFIX, Backend, _base, _s3, check_key, open_backend
+from aiturbofs.backend import UPLOAD_TEMP_PREFIX, Backend, NodeAttrs, _base, _s3, check_key, open_backend
 
 P = CHUNK_BYTES
 
@@ -522,6 +523,48 @@ class BackendConformance:
         run(target, body)
 
     # --- keys ---------------------------------------------------------------------------------
+
+    def test_nodes_written_read_and_removed(self, target: Target):
+        """Symlinks, FIFOs and empty directories in the backend's form (docs/design.md)."""
+        async def body(b: Backend):
+            kinds = b.node_kinds
+            assert stat.S_IFDIR in kinds
+            mtime_ns = 1_700_000_000 * 10**9
+            if stat.S_IFLNK in kinds:
+                await b.write_node("n/link", NodeAttrs(stat.S_IFLNK | 0o777, os.getuid(), os.getgid(), mtime_ns,
+                                                      target=b"../t"))
+                node = await b.read_node("n/link")
+                assert node is not None and stat.S_ISLNK(node.mode) and node.target == b"../t"
+                assert (node.uid, node.gid, node.mtime_ns) == (os.getuid(), os.getgid(), mtime_ns)
+                await b.write_node("n/link", NodeAttrs(stat.S_IFLNK | 0o777, target=b"other"))  # replaced
+                assert (await b.read_node("n/link")).target == b"other"
+            else:
+                with pytest.raises(NotSupported):
+                    await b.write_node("n/link", NodeAttrs(stat.S_IFLNK | 0o777, target=b"t"))
+            if stat.S_IFIFO in kinds:
+                await b.write_node("n/fifo", NodeAttrs(stat.S_IFIFO | 0o640))
+                node = await b.read_node("n/fifo")
+                assert node is not None and stat.S_ISFIFO(node.mode) and stat.S_IMODE(node.mode) == 0o640
+            await b.write_node("n/empty", NodeAttrs(stat.S_IFDIR | 0o755))
+            await put(b, "n/plain", b"x")
+            listing = await names(b, "n")
+            assert listing["n/empty"] is True and listing["n/plain"] is False
+            assert await names(b, "n/empty") == {}  # a marker is never an entry of its own directory
+            for plain in ("n/plain", "n/empty", "n/missing"):
+                assert await b.read_node(plain) is None
+            await b.write_node("n/full", NodeAttrs(stat.S_IFDIR | 0o755))
+            await put(b, "n/full/f", b"y")
+            await b.remove_dir("n/full")  # not empty: stays, marker and all
+            assert await names(b, "n/full") == {"n/full/f": False}
+            await b.delete("n/full/f")
+            await b.delete("n/link")
+            await b.delete("n/fifo")
+            await b.remove_dir("n/empty")
+            assert (await names(b, "n"))["n/full"] is True  # its marker keeps the emptied directory
+            await b.remove_dir("n/full")
+            assert await names(b, "n") == {"n/plain": False}
+
+        run(target, body)
 
     @pytest.mark.parametrize(
         "key", ["..", "../x", "a/../b", "/abs", "a//b", "a/", ".", "a/./b", "x\0y", UPLOAD_TEMP_PREFIX + "x"]

@@ -341,9 +341,15 @@ def test_kill9_after_close_survivors_persist(make_cluster):
     with frozen_s3(c):  # node 1 cannot persist anything before it dies
         for name, data in files.items():
             within(30, put, c.path(1, name), data)
+        within(30, os.symlink, "a.bin", c.path(1, "latest"))  # a node: no replica, its row is all of it
         c.kill_node(1)
     killed_at = time.monotonic()
     durable_s = wait_durable(c, 0, files)
+    deadline = time.monotonic() + DURABLE_WAIT_S
+    while "latest" not in c.objects() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert c.get_object("latest") == b"a.bin", "a survivor did not take over n1's symlink"
+    assert os.readlink(c.path(2, "latest")) == "a.bin"
     for name, data in files.items():
         assert sha(get(c.path(0, name))) == sha(data), f"{name} differs on n0"
         assert os.stat(c.path(2, name)).st_size == len(data)

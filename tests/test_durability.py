@@ -88,11 +88,14 @@ class OutageS3Server(S3Server):
         return super().make_bucket(name)
 
     def objects(self, bucket: str, prefix: str = "") -> dict[str, bytes]:
-        """Every object under ``prefix`` (key relative to it) -> its bytes."""
+        """Every object under ``prefix`` (key relative to it) -> its bytes; the
+        zero-byte ``dir/`` markers of directories (docs/design.md) left out."""
         c = self.client()
         out = {}
         for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
             for o in page.get("Contents", ()):
+                if o["Key"].endswith("/"):
+                    continue
                 out[o["Key"][len(prefix):]] = c.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
         return out
 

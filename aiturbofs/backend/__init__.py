@@ -14,6 +14,7 @@ from typing import Any
 from .._errors import ConfigError
 from ._base import UPLOAD_TEMP_PREFIX as UPLOAD_TEMP_PREFIX
 from ._base import Backend as Backend
+from ._base import NodeAttrs as NodeAttrs
 from ._base import ObjectInfo as ObjectInfo
 from ._base import Upload as Upload
 from ._base import check_key as check_key

@@ -17,6 +17,7 @@ import errno
 import json
 import math
 import os
+import stat
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -60,6 +61,28 @@ class ObjectInfo:
     mtime_ns: int  # 0 if unknown
     etag: str | None  # changes when content changes; None for directories
     is_dir: bool
+    # st_mode of a node the listing itself shows to be other than a plain
+    # object (file://: a symlink, FIFO, device); 0 where the listing cannot
+    # tell (S3: see ``Backend.node_probe_bytes_max``).
+    mode: int = 0
+
+
+@dataclass(frozen=True)
+class NodeAttrs:
+    """A namespace node that is not a regular file, as the backend holds it
+    (see docs/design.md, "What the backend holds").
+
+    ``mode`` is the full st_mode (type bits included); ``target`` is a
+    symlink's target, ``rdev`` a device's number.  ``uid``/``gid``/``mtime_ns``
+    are None where the backend does not record them.
+    """
+
+    mode: int
+    uid: int | None = None
+    gid: int | None = None
+    mtime_ns: int | None = None
+    rdev: int = 0
+    target: bytes | None = None
 
 
 # --- keys ---------------------------------------------------------------------
@@ -548,6 +571,13 @@ class Backend(ABC):
     key_bytes_max: int = PATH_BYTES_MAX  # the longest key (UTF-8 bytes) the store can name
     object_bytes_max: int = FILE_SIZE_BYTES_MAX  # the largest object the store can hold
     parts_max: int | None = None  # the most parts one Upload may have (None: no limit)
+    # File types (stat.S_IFMT values) that ``write_node`` can keep; the others
+    # live in the metadata only.
+    node_kinds: frozenset[int] = frozenset()
+    # A listed object at most this big may be a node (a symlink's body is its
+    # target, a FIFO's is empty) that only ``read_node`` can tell: -1 where
+    # the listing itself tells (``ObjectInfo.mode``).
+    node_probe_bytes_max: int = -1
 
     @classmethod
     @abstractmethod
@@ -641,6 +671,25 @@ class Backend(ABC):
     @abstractmethod
     async def delete(self, key: str) -> None:
         """Remove object ``key``; a missing object is not an error."""
+
+    async def write_node(self, key: str, node: NodeAttrs) -> None:
+        """Make ``key`` hold ``node`` (replacing an object there), creating
+        parent dirs.  A directory node is the directory ``key`` itself (its
+        marker where directories are not real).  Raises ``NotSupported`` for
+        a file type not in ``node_kinds``."""
+        check_key(key)
+        if stat.S_IFMT(node.mode) not in self.node_kinds:
+            raise NotSupported(f"{self.url} cannot hold a node of type {stat.S_IFMT(node.mode):o} at {key!r}")
+        await self._write_node(key, node)
+
+    async def _write_node(self, key: str, node: NodeAttrs) -> None:
+        raise NotImplementedError("a backend with node_kinds implements _write_node")
+
+    async def read_node(self, key: str) -> NodeAttrs | None:
+        """The node at ``key`` if it is one (a symlink, a FIFO, a device, by
+        the backend's form), else None (a plain object, or nothing)."""
+        check_key(key)
+        return None
 
     @abstractmethod
     async def makedirs(self, key: str) -> None:

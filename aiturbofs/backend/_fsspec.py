@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import posixpath
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,6 +37,7 @@ from ._base import (
     UPLOAD_TEMP_PREFIX,
     Backend,
     Buffer,
+    NodeAttrs,
     ObjectInfo,
     Upload,
     check_key,
@@ -87,6 +89,10 @@ class FsspecBackend(Backend):
 
     supports_server_copy = False
     supports_remote_parts = False
+    # fsspec has no portable per-object metadata: only directories are kept
+    # (``makedirs``, as real as the filesystem's directories); symlinks and
+    # special files stay in the metadata.
+    node_kinds = frozenset({stat.S_IFDIR})
     _OPTIONS = {"fsspec_options", "upload_tmp_dir", "call_timeout_s"}
 
     def __init__(self, url: str, fs: fsspec.AbstractFileSystem, root: str, tmp_dir: str | None, timeout_s: float):
@@ -155,6 +161,9 @@ class FsspecBackend(Backend):
     async def delete(self, key: str) -> None:
         check_key(key)
         await self._run(f"delete {key!r}", self._delete_sync, key)
+
+    async def _write_node(self, key: str, node: NodeAttrs) -> None:
+        await self._run(f"write node {key!r}", self._fs.makedirs, self._path(key), True)
 
     async def makedirs(self, key: str) -> None:
         check_key(key, allow_root=True)

@@ -10,6 +10,7 @@ a worker thread; nothing here retries.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -28,6 +29,7 @@ from ._base import (
     UPLOAD_TEMP_PREFIX,
     Backend,
     Buffer,
+    NodeAttrs,
     ObjectInfo,
     Upload,
     check_key,
@@ -87,8 +89,10 @@ def _mapped(what: str) -> Iterator[None]:
 class LocalBackend(Backend):
     """Objects are regular files under ``root``; directories are real directories.
 
-    Options: ``call_timeout_s``.  Symlinks already inside the root are
-    followed (the admin put them there); keys themselves cannot escape it.
+    Options: ``call_timeout_s``.  Nodes are what they are: a symlink is a
+    real symlink (listed with its own mode, never followed to list or read),
+    a FIFO or socket (an inode, not a listener) itself, a device a device
+    node (only when running as root: mknod needs CAP_MKNOD).  Keys themselves cannot escape the root.
     """
 
     supports_server_copy = True  # copy_file_range: no bytes through this process
@@ -104,6 +108,10 @@ class LocalBackend(Backend):
         self.key_bytes_max = PATH_BYTES_MAX - 1 - len(os.fsencode(root)) - 1 - temp_head_bytes
         self._timeout_s = timeout_s
         self._limiter = trio.CapacityLimiter(BACKEND_THREADS_MAX)
+        kinds = {stat_mod.S_IFDIR, stat_mod.S_IFLNK, stat_mod.S_IFIFO, stat_mod.S_IFSOCK}
+        if os.geteuid() == 0:
+            kinds |= {stat_mod.S_IFCHR, stat_mod.S_IFBLK}
+        self.node_kinds = frozenset(kinds)
 
     @classmethod
     async def open(cls, url: str, options: dict[str, Any], *, check: bool = True) -> LocalBackend:
@@ -164,6 +172,14 @@ class LocalBackend(Backend):
         """Unlink; raises ``BackendError`` if ``key`` is a directory."""
         check_key(key)
         await self._run(f"delete {key!r}", _unlink_sync, self._path(key))
+
+    async def _write_node(self, key: str, node: NodeAttrs) -> None:
+        await self._run(f"write node {key!r}", _write_node_sync, self._path(key), node, self._root,
+                        abandon_on_cancel=False)
+
+    async def read_node(self, key: str) -> NodeAttrs | None:
+        check_key(key)
+        return await self._run(f"read node {key!r}", _read_node_sync, self._path(key))
 
     async def makedirs(self, key: str) -> None:
         """mkdir -p; raises ``BackendError`` if a file is in the way."""
@@ -314,12 +330,18 @@ def _ensure_root(root: str) -> None:
 
 
 def _info(key: str, st: os.stat_result) -> ObjectInfo | None:
-    """ObjectInfo of a regular file or directory; None for other file types."""
+    """ObjectInfo of a regular file or directory, or (from an lstat) of a
+    symlink, FIFO, device or socket with its mode."""
     if stat_mod.S_ISDIR(st.st_mode):
         return ObjectInfo(key, 0, st.st_mtime_ns, None, True)
     if stat_mod.S_ISREG(st.st_mode):
         return ObjectInfo(key, st.st_size, st.st_mtime_ns, _etag(st), False)
+    if stat_mod.S_IFMT(st.st_mode) in _NODE_TYPES:
+        return ObjectInfo(key, st.st_size, st.st_mtime_ns, None, False, mode=st.st_mode)
     return None
+
+
+_NODE_TYPES = frozenset({stat_mod.S_IFLNK, stat_mod.S_IFIFO, stat_mod.S_IFCHR, stat_mod.S_IFBLK, stat_mod.S_IFSOCK})
 
 
 def _etag(st: os.stat_result) -> str | None:
@@ -338,12 +360,6 @@ def _outside(path: str, root: str) -> bool:
     return real != top and not real.startswith(top.rstrip(os.sep) + os.sep)
 
 
-def _escapes(entry: os.DirEntry, root: str) -> bool:
-    """True for a symlink that resolves outside ``root``: listing it would let
-    the mount read (and the persister write) files the backend does not own."""
-    return entry.is_symlink() and _outside(entry.path, root)
-
-
 def _check_inside(directory: str, root: str) -> None:
     """Refuse to write below a directory that a symlink leads out of the root."""
     if _outside(directory, root):
@@ -359,10 +375,10 @@ def _list_sync(path: str, key: str, root: str) -> list[ObjectInfo]:
     out = []
     with entries:
         for entry in entries:
-            if entry.name.startswith(UPLOAD_TEMP_PREFIX) or _escapes(entry, root):
+            if entry.name.startswith(UPLOAD_TEMP_PREFIX):
                 continue
             try:
-                info = _info(join_key(key, entry.name), entry.stat())
+                info = _info(join_key(key, entry.name), entry.stat(follow_symlinks=False))
             except FileNotFoundError:
                 continue  # deleted meanwhile, or a dangling symlink
             if info is not None:
@@ -370,6 +386,54 @@ def _list_sync(path: str, key: str, root: str) -> list[ObjectInfo]:
             if len(out) > LIST_ENTRIES_MAX:
                 raise BackendError(f"list {key!r}: more than {LIST_ENTRIES_MAX} entries")
     return out
+
+
+def _write_node_sync(path: str, node: NodeAttrs, root: str) -> None:
+    """Make ``path`` the node: a directory in place, anything else made beside
+    it under a hidden name and renamed over it (atomic, like a publish)."""
+    parent = os.path.dirname(path)
+    kind = stat_mod.S_IFMT(node.mode)
+    for attempt in range(_DIR_RACE_TRIES):
+        _check_inside(parent, root)
+        os.makedirs(parent, exist_ok=True)
+        try:
+            if kind == stat_mod.S_IFDIR:
+                _check_inside(path, root)
+                os.makedirs(path, exist_ok=True)
+                return
+            tmp = os.path.join(parent, _temp_name(os.path.basename(path), secrets.token_hex(_TEMP_NONCE_BYTES)))
+            if kind == stat_mod.S_IFLNK:
+                os.symlink(node.target or b"", os.fsencode(tmp))
+            else:
+                os.mknod(tmp, node.mode, node.rdev)  # FIFO, socket or device; chmod below undoes the umask
+            break
+        except FileNotFoundError:
+            if attempt == _DIR_RACE_TRIES - 1:
+                raise
+    try:
+        if node.uid is not None and node.gid is not None:
+            os.chown(tmp, node.uid, node.gid, follow_symlinks=False)
+        if kind != stat_mod.S_IFLNK:
+            os.chmod(tmp, stat_mod.S_IMODE(node.mode))
+        if node.mtime_ns is not None:
+            os.utime(tmp, ns=(node.mtime_ns, node.mtime_ns), follow_symlinks=False)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(parent)
+
+
+def _read_node_sync(path: str) -> NodeAttrs | None:
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if stat_mod.S_IFMT(st.st_mode) not in _NODE_TYPES:
+        return None
+    target = os.readlink(os.fsencode(path)) if stat_mod.S_ISLNK(st.st_mode) else None
+    return NodeAttrs(st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns, st.st_rdev, target)
 
 
 def _stat_sync(path: str, key: str) -> ObjectInfo | None:
@@ -547,7 +611,7 @@ def _fsync_dir(path: str) -> None:
 
 
 def _move_sync(src: str, dst: str, root: str) -> None:
-    os.stat(src)  # a missing source must not be reported as a missing target parent
+    os.lstat(src)  # a missing source must not be reported as a missing target parent (a symlink moves as itself)
     for attempt in range(_DIR_RACE_TRIES):
         _check_inside(os.path.dirname(dst), root)
         os.makedirs(os.path.dirname(dst), exist_ok=True)

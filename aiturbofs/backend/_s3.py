@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import errno
 import hashlib
 import logging
+import stat
 from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -58,12 +60,14 @@ from .._limits import (
     S3_PUT_BYTES_MAX,
     S3_STALE_UPLOADS_MAX,
     S3_ZERO_OBJECT_BYTES_MAX,
+    SYMLINK_TARGET_BYTES_MAX,
     ZERO_BLOCK_BYTES,
 )
 from ._base import (
     UPLOAD_TEMP_PREFIX,
     Backend,
     Buffer,
+    NodeAttrs,
     ObjectInfo,
     Upload,
     check_key,
@@ -88,6 +92,7 @@ T = TypeVar("T")
 # upload-temp prefix keeps them out of every listing and every key.
 ZERO_OBJECT_PREFIX = f"{UPLOAD_TEMP_PREFIX}zeros."
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+DIR_CONTENT_TYPE = "application/x-directory"  # of a directory marker, as s3fs-fuse writes it
 
 # Error codes that say "try again later" even when the status is not 5xx.
 _TRANSIENT_CODES = frozenset(
@@ -192,15 +197,26 @@ class S3Backend(Backend):
     ``s3_connect_timeout`` (seconds, default BACKEND_CONNECT_TIMEOUT_S),
     ``s3_parts_max`` (the most parts of one multipart upload, default
     S3_PARTS_MAX: lower it for S3-compatible stores that allow fewer),
-    ``call_timeout_s``.  ``makedirs`` and ``remove_dir`` are no-ops: S3 has
-    no directories.  ``move`` is a copy then a delete, not atomic.  Where an
-    object ``a`` and a prefix ``a/`` both exist, ``list_dir`` returns both.
+    ``s3_node_probe`` (default on: see ``node_probe_bytes_max``),
+    ``call_timeout_s``.  ``makedirs`` is a no-op: S3 has no directories.
+    ``move`` is a copy then a delete, not atomic.  Where an object ``a`` and
+    a prefix ``a/`` both exist, ``list_dir`` returns both.
+
+    Nodes follow s3fs-fuse: the object's ``x-amz-meta-mode`` (decimal
+    st_mode) names its type, with ``uid``, ``gid``, ``mtime`` (seconds) and
+    ``rdev`` beside it; a symlink's body is its target, a FIFO's or device's
+    is empty, and a directory's node is the zero-byte marker ``key/``
+    (``application/x-directory``), which ``remove_dir`` deletes once it is
+    all that is left under the prefix.
     """
 
     supports_server_copy = True  # CopyObject / UploadPartCopy
     supports_remote_parts = True  # UploadPart with the owner's UploadId
     list_page_keys = 1000  # S3's own maximum; tests lower it to exercise paging
+    node_kinds = frozenset({stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFCHR, stat.S_IFBLK, stat.S_IFSOCK})
+    node_probe_bytes_max = SYMLINK_TARGET_BYTES_MAX  # a listing has no metadata: small objects are HEADed
     _OPTIONS = {"s3_endpoint", "s3_region", "s3_anon", "s3_key", "s3_secret", "s3_connect_timeout", "s3_parts_max",
+                "s3_node_probe",
                 "call_timeout_s"}
 
     def __init__(self, fs: s3fs.S3FileSystem, bucket: str, prefix: str, timeout_s: float, endpoint: str = "AWS",
@@ -236,6 +252,8 @@ class S3Backend(Backend):
         bucket, prefix = _parse_url(url)
         backend = cls(_make_fs(options), bucket, prefix, timeout_option(options), options.get("s3_endpoint") or "AWS",
                       _parts_max_option(options))
+        if not option_bool(options, "s3_node_probe", True):
+            backend.node_probe_bytes_max = -1  # a HEAD per small new object costs a round trip each
         if check:
             await backend.check()
         return backend
@@ -320,11 +338,44 @@ class S3Backend(Backend):
         check_key(key)
         await self._call(f"delete {key!r}", "delete_object", Bucket=self._bucket, Key=self._s3_key(key))
 
+    async def _write_node(self, key: str, node: NodeAttrs) -> None:
+        is_dir = stat.S_ISDIR(node.mode)
+        extra = {"ContentType": DIR_CONTENT_TYPE} if is_dir else {}
+        await self._call(
+            f"write node {key!r}", "put_object", Bucket=self._bucket,
+            Key=self._dir_prefix(key) if is_dir else self._s3_key(key),
+            Body=b"" if is_dir else (node.target or b""), Metadata=_node_metadata(node), **extra,
+        )
+
+    async def read_node(self, key: str) -> NodeAttrs | None:
+        check_key(key)
+        try:
+            head = await self._call(f"stat {key!r}", "head_object", Bucket=self._bucket, Key=self._s3_key(key))
+        except BackendNotFound:
+            return None
+        node = _node_from_metadata(head.get("Metadata") or {}, head.get("LastModified"))
+        if node is None or stat.S_ISDIR(node.mode) or stat.S_ISREG(node.mode):
+            return None  # a plain object (a directory is a prefix, never a node at ``key``)
+        if stat.S_ISLNK(node.mode):
+            size = head["ContentLength"]
+            if not 0 < size <= SYMLINK_TARGET_BYTES_MAX:
+                raise BackendError(f"symlink object {key!r} has a body of {size} bytes, not a target")
+            target = await self.read_range(key, 0, size)
+            node = dataclasses.replace(node, target=target)
+        return node
+
     async def makedirs(self, key: str) -> None:
         check_key(key, allow_root=True)
 
     async def remove_dir(self, key: str) -> None:
+        """Delete the directory marker ``key/`` if nothing else is under the prefix."""
         check_key(key, allow_root=True)
+        if not key:
+            return
+        prefix = self._dir_prefix(key)
+        page = await self._call(f"list {key!r}", "list_objects_v2", Bucket=self._bucket, Prefix=prefix, MaxKeys=2)
+        if [o["Key"] for o in page.get("Contents", ())] == [prefix]:
+            await self._call(f"delete marker of {key!r}", "delete_object", Bucket=self._bucket, Key=prefix)
 
     async def aclose(self) -> None:
         with trio.move_on_after(self._timeout_s):
@@ -705,6 +756,36 @@ def _page_entries(key: str, prefix: str, page: dict[str, Any]) -> Iterator[Objec
         name = obj["Key"][len(prefix) :]
         if is_valid_name(name):  # skips the "dir/" marker object and unusable names
             yield ObjectInfo(join_key(key, name), obj["Size"], _mtime_ns(obj.get("LastModified")), _etag(obj), False)
+
+
+def _node_metadata(node: NodeAttrs) -> dict[str, str]:
+    """s3fs-fuse's user metadata of a node (x-amz-meta-*: decimal strings)."""
+    meta = {"mode": str(node.mode)}
+    if node.uid is not None:
+        meta["uid"] = str(node.uid)
+    if node.gid is not None:
+        meta["gid"] = str(node.gid)
+    if node.mtime_ns is not None:
+        meta["mtime"] = str(node.mtime_ns // 1_000_000_000)
+    if node.rdev:
+        meta["rdev"] = str(node.rdev)
+    return meta
+
+
+def _node_from_metadata(meta: dict[str, str], last_modified: datetime | None) -> NodeAttrs | None:
+    """The node s3fs-fuse-style metadata describes; None without a usable mode."""
+    def number(name: str) -> int | None:
+        try:
+            return int(float(meta[name]))  # mtime may carry a fraction
+        except (KeyError, ValueError):
+            return None
+
+    mode = number("mode")
+    if mode is None or not 0 < mode < 1 << 32:
+        return None
+    mtime_s = number("mtime")
+    mtime_ns = mtime_s * 1_000_000_000 if mtime_s is not None else (_mtime_ns(last_modified) or None)
+    return NodeAttrs(mode, number("uid"), number("gid"), mtime_ns, number("rdev") or 0)
 
 
 def _mtime_ns(when: datetime | None) -> int:

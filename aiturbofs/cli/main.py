@@ -1,8 +1,9 @@
 """``aiturbo`` — the operator's command: wait, status, drop-cache.
 
 ``aiturbo wait PATH...`` blocks until every regular file under the paths is
-durable in the backend (future 1), showing bytes, rate and ETA; it exits 1
-naming any broken file, 2 on usage errors (a path not on aiturbofs).
+durable in the backend (future 1), and so is every directory the backend
+keeps, with its symlinks and special files (see docs/design.md, "What the
+backend holds"), showing bytes, rate and ETA; it exits 1 naming any broken file, 2 on usage errors (a path not on aiturbofs).
 ``aiturbo status [MOUNTPOINT]`` asks running daemons through their control
 sockets.  ``aiturbo controller`` runs the cluster's job controller.
 """
@@ -37,11 +38,25 @@ def _files(paths: list[str]) -> list[tuple[str, int]]:
         if not os.path.isdir(top):
             raise FileNotFoundError(errno.ENOENT, "no such file or directory", top)
         for root, _, names in os.walk(top):
+            if _has_state(root):
+                out.append((root, 0))  # its own backend form, and its symlinks and special files
             for name in names:
                 p = os.path.join(root, name)
                 if os.path.isfile(p) and not os.path.islink(p):
                     out.append((p, os.stat(p).st_size))
     return out
+
+
+def _has_state(directory: str) -> bool:
+    """Does ``directory`` have a durability state (a directory the backend
+    keeps, or one holding symlinks or special files it keeps)?"""
+    try:
+        _state(directory)
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP):
+            return False
+        raise
+    return True
 
 
 def _state(path: str) -> str:
@@ -68,8 +83,10 @@ def cmd_wait(args) -> int:
             for path, size in list(pending.items()):
                 try:
                     state = _state(path)
-                except FileNotFoundError:
-                    state = "durable"  # removed meanwhile: nothing left to wait for
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOENT, errno.ENODATA):
+                        raise
+                    state = "durable"  # removed meanwhile (or its last node was): nothing left to wait for
                 if state in ("durable", "broken"):
                     del pending[path]
                     bar.update(size)

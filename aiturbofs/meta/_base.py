@@ -71,7 +71,7 @@ class InodeRow:
     ctime_ns: int
     rdev: int = 0
     target: bytes | None = None  # symlink target
-    state: str | None = None  # regular files only: one of STATES
+    state: str | None = None  # one of STATES: regular files, and other nodes the backend keeps (else None)
     version: int = 0
     manifest: bytes | None = None
     backend_keys: list[str] = field(default_factory=list)
@@ -169,7 +169,8 @@ class MetaStore(ABC):
 
         ``row.ino`` is ignored (inode numbers are never reused) and ``nlink``
         is set by the engine (2 for a directory, 1 otherwise).  A regular file
-        without a state starts ``STATE_STAGED``; other types get no state.
+        without a state starts ``STATE_STAGED``; other types keep the state they
+        come with (None: they live in the metadata only).
         The parent's mtime/ctime are set to now and its nlink grows by one
         for a new directory.  A new directory or regular file gets a copy of
         the parent's xattrs whose name starts with ``inherit_xattr_prefix``

@@ -553,7 +553,9 @@ class SqlMetaStore(MetaStore):
         if self._entry(tx, parent, name) is not None:
             raise err.Exists(f"{os.fsdecode(name)!r} in inode {parent}")
         is_dir = stat.S_ISDIR(row.mode)
-        state = row.state if stat.S_ISREG(row.mode) else None
+        # Regular files always have a state; other nodes have one when the
+        # backend keeps them too (vfs decides), else None (metadata only).
+        state = row.state
         if stat.S_ISREG(row.mode) and state is None:
             state = STATE_STAGED
         new = self._insert_inode(tx, dataclasses.replace(row, nlink=2 if is_dir else 1, state=state))

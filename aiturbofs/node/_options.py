@@ -52,6 +52,8 @@ OPTIONS = {
     "s3_connect_timeout": ("float", "seconds to wait for an S3 connection"),
     "s3_parts_max": ("int", "most parts of one multipart upload (default 10000, S3's limit; lower it for "
                             "S3-compatible stores that allow fewer): files of more chunks send larger parts"),
+    "s3_node_probe": ("choice:yes|no", "yes (default): imports HEAD new objects of up to 4095 bytes to find symlinks "
+                             "and special files (s3fs-fuse metadata); no: such objects import as files"),
     "allow_other": ("flag", "let other users access the mount, the kernel checking modes (default: on when "
                             "mounted by root, as on a shared training node; allow_other=no to keep it private)"),
     "ro": ("flag", "mount read-only"),

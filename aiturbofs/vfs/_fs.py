@@ -410,10 +410,15 @@ class Filesystem:
         gid, mode = self._creation_ids(parent_row, uid, gid, mode)
         now = _now_ns()
         is_reg = stat.S_ISREG(mode)
+        # Other nodes get a state too where the backend can hold them: the
+        # persister writes them there (see docs/design.md, "What the backend holds").
+        kept = is_reg or stat.S_IFMT(mode) in self.backend.node_kinds
         row = InodeRow(
             ino=0, mode=mode, uid=uid, gid=gid, size=len(target) if target else 0,
             nlink=1, atime_ns=now, mtime_ns=now, ctime_ns=now, rdev=rdev, target=target,
-            state=STATE_STAGED if is_reg else None, backend_keys=[],
+            state=STATE_STAGED if kept else None, backend_keys=[],
+            # a node persists from its row alone: its creator writes it (a file's commit names its owner)
+            owner=self.cluster.node if self.cluster is not None and kept and not is_reg else None,
         )
         row = await self.meta.create(parent, name, row)
         node = self._remember(row)
@@ -427,18 +432,27 @@ class Filesystem:
         node = await self._create_row(parent, name, mode, uid, gid, rdev=rdev)
         if stat.S_ISREG(mode):
             await self._commit(node)
+        else:
+            self._persist_node(node)
         return self._attr(node)
+
+    def _persist_node(self, node: Inode) -> None:
+        """A new symlink, directory or special file: to the backend, if it keeps them."""
+        if node.row.state is not None:
+            self.persister.enqueue(node.ino)
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> InodeRow:
         node = await self._create_row(parent, name, stat.S_IFDIR | (mode & 0o7777), uid, gid)
         node.row.imported_ns = _now_ns()  # nothing in the backend below a new dir
         await self.meta.set_attrs(node.ino, imported_ns=node.row.imported_ns)
+        self._persist_node(node)
         return self._attr(node)
 
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> InodeRow:
         if len(target) > SYMLINK_TARGET_BYTES_MAX:
             raise NameTooLong(f"symlink target of {len(target)} bytes exceeds {SYMLINK_TARGET_BYTES_MAX}")
         node = await self._create_row(parent, name, stat.S_IFLNK | 0o777, uid, gid, target=target)
+        self._persist_node(node)
         return self._attr(node)
 
     async def readlink(self, ino: int) -> bytes:
@@ -462,7 +476,7 @@ class Filesystem:
         node.row.nlink = row.nlink
         node.row.ctime_ns = row.ctime_ns
         node.lookups += 1
-        if stat.S_ISREG(row.mode):
+        if row.state is not None:
             self.persister.enqueue(ino, moved=True)  # the backend gets a copy at the new path
         return self._attr(node)
 
@@ -493,6 +507,9 @@ class Filesystem:
         await self.importer.refresh(new_parent)
         moved = await self.meta.lookup(parent, name)
         other = None if noreplace else await self._lookup_or_none(new_parent, new_name)
+        for row in (moved, other):
+            if row is not None and stat.S_ISDIR(row.mode):
+                await self.importer.refresh_tree(row.ino)  # what only the backend has below it moves too
         old_path = None  # a moved directory's backend path, cleaned up once its files moved out
         if stat.S_ISDIR(moved.mode) and not exchange:
             above = await self.meta.paths_of(parent)
@@ -506,6 +523,8 @@ class Filesystem:
             if stat.S_ISDIR(row.mode):
                 if replaced is not None and replaced.ino == row.ino:
                     continue  # a replaced empty directory: deleted, nothing below it
+                if row.state is not None:
+                    self.persister.enqueue(row.ino, moved=True)  # its own backend form moves too
                 await self.persister.enqueue_tree(row.ino, old_path if row is moved else None)
             else:
                 self.persister.enqueue(row.ino, moved=True)
@@ -555,6 +574,8 @@ class Filesystem:
         if name == _xattr.STATE:
             row = await self.getattr(ino)
             node = self._inodes.get(ino)
+            if stat.S_ISDIR(row.mode):
+                return (await self._dir_state(row)).encode()
             if row.state is None:
                 raise NoAttribute("only regular files have a durability state")
             if node is not None and node.content is not None and node.content.dirty:
@@ -562,6 +583,24 @@ class Filesystem:
             return row.state.encode()
         _xattr.validate_name(name)
         return await self.meta.getxattr(ino, name)
+
+    async def _dir_state(self, row: InodeRow) -> str:
+        """A directory's durability state: that of its own backend form and of
+        the symlinks and special files in it, which Linux lets carry no user.*
+        xattr (so ``aiturbo wait`` asks their directory).  The worst one wins."""
+        states = set() if row.state is None else {row.state}
+        offset = 0
+        while True:
+            entries = await self.meta.readdir(row.ino, offset, READDIR_BATCH_ENTRIES)
+            if not entries:
+                break
+            offset = entries[-1][2]  # readdir's cookie of the last entry
+            states.update(child.state for _, child, _ in entries
+                          if child.state is not None and not stat.S_ISREG(child.mode) and not stat.S_ISDIR(child.mode))
+        for state in (STATE_BROKEN, STATE_STAGED, STATE_PERSISTING, STATE_DURABLE):
+            if state in states:
+                return state
+        raise NoAttribute("this directory and its symlinks and special files live in the metadata only")
 
     async def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
         try:

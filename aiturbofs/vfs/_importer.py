@@ -10,9 +10,10 @@ is unavailable (``BackendHealth``) nothing is listed and every lookup answers
 from the metadata at once; the root is imported again when it answers, the
 other directories at their next lookup.  New objects become
 ``durable`` files without a manifest (read by range, hashed on first write);
-prefixes become directories; durable files whose object changed outside the
-mount are refreshed; durable files whose object vanished are removed, unless
-open.  Names that cannot be POSIX names (``..``, too long) are skipped with a
+prefixes become directories; symlinks, FIFOs and devices in the backend's
+form of them (``Backend.read_node``) become those nodes; durable files whose
+object changed outside the mount are refreshed; durable files and nodes
+whose object vanished are removed, unless open.  Names that cannot be POSIX names (``..``, too long) are skipped with a
 log line, so a backend key can never escape the mount.
 """
 
@@ -22,8 +23,16 @@ import time
 
 import trio
 
-from .._errors import AiturboError, BackendError, BackendUnreachable, Exists, NotFound
-from .._limits import IMPORT_READDIR_BATCH_ENTRIES, IMPORT_WAIT_S, LIST_ENTRIES_MAX, NAME_BYTES_MAX
+from .._errors import AiturboError, BackendError, BackendUnreachable, Exists, NotFound, TransientBackendError
+from .._limits import (
+    IMPORT_NODE_PROBES_IN_FLIGHT,
+    IMPORT_READDIR_BATCH_ENTRIES,
+    IMPORT_WAIT_S,
+    LIST_ENTRIES_MAX,
+    NAME_BYTES_MAX,
+)
+from .._nursery import open_nursery
+from ..backend import NodeAttrs, ObjectInfo
 from ..meta import ROOT_INO, STATE_DURABLE, InodeRow
 
 log = logging.getLogger(__name__)
@@ -63,6 +72,25 @@ class Importer:
         except NotFound:
             return
         await self.refresh(row.ino)
+
+    async def refresh_tree(self, ino: int) -> None:
+        """``refresh`` directory ``ino`` and every directory below it.
+
+        Before a directory is renamed: what only the backend holds below it
+        (never listed by this mount) must be in the namespace to move with it,
+        or it stayed at the old name and came back there at the next import.
+        """
+        stack = [ino]
+        while stack:
+            current = stack.pop()
+            await self.refresh(current)
+            offset = 0
+            while True:
+                batch = await self.fs.meta.readdir(current, offset, IMPORT_READDIR_BATCH_ENTRIES)
+                if not batch:
+                    break
+                offset = batch[-1][2]  # readdir's cookie of the last entry: where the next batch starts
+                stack.extend(row.ino for _, row, _ in batch if stat.S_ISDIR(row.mode))
 
     async def refresh(self, ino: int) -> None:
         """Import ``ino``'s backend listing if it is a directory older than the TTL.
@@ -158,6 +186,7 @@ class Importer:
         self.fs.health.mark_up()
         listed = set()
         claimed: set[str] | None = None
+        nodes = await self._probe_nodes(infos[:LIST_ENTRIES_MAX], existing)
         for info in infos[:LIST_ENTRIES_MAX]:
             name = info.key.rsplit("/", 1)[-1].encode("utf-8", "surrogateescape")
             if not name or name in (b".", b"..") or b"\0" in name or len(name) > NAME_BYTES_MAX:
@@ -171,13 +200,14 @@ class Importer:
                 # new file: importing it would bring deleted files back.
                 if claimed is None:
                     claimed = _with_dirs(await self.fs.persister.claimed_keys(listed_at))
-                if info.key in claimed:
+                if info.key in claimed or (info.key in nodes and nodes[info.key] is None):
                     continue
-                await self._create(dir_row, name, info)
-            elif row.state == STATE_DURABLE and not info.is_dir:
+                await self._create(dir_row, name, info, nodes.get(info.key))
+            elif row.state == STATE_DURABLE and stat.S_ISREG(row.mode) and not info.is_dir:
                 await self._maybe_update(row, info)
         for name, row in existing.items():
-            if name not in listed and row.state == STATE_DURABLE and row.backend_keys == [self._key(prefix, name)]:
+            if (name not in listed and row.state == STATE_DURABLE and not stat.S_ISDIR(row.mode)
+                    and row.backend_keys == [self._key(prefix, name)]):
                 await self._remove(dir_row.ino, name, row)
         await meta.set_attrs(dir_row.ino, imported_ns=started)
 
@@ -186,12 +216,54 @@ class Importer:
         n = name.decode("utf-8", "surrogateescape")
         return f"{prefix}/{n}" if prefix else n
 
-    async def _create(self, dir_row: InodeRow, name: bytes, info) -> None:
+    async def _probe_nodes(self, infos: list[ObjectInfo], existing: dict) -> dict[str, NodeAttrs | None]:
+        """The nodes among the new entries: those the listing shows as nodes,
+        and (S3) small objects whose metadata may say so, HEADed in parallel.
+        None: could not tell now (a transient error); such entries wait for the next import."""
+        backend = self.fs.backend
+        wanted = [
+            info.key for info in infos
+            if not info.is_dir and info.key.rsplit("/", 1)[-1].encode("utf-8", "surrogateescape") not in existing
+            and (stat.S_IFMT(info.mode) not in (0, stat.S_IFREG) or info.size <= backend.node_probe_bytes_max)
+        ]
+        found: dict[str, NodeAttrs | None] = {}
+        limit = trio.Semaphore(IMPORT_NODE_PROBES_IN_FLIGHT)
+
+        async def probe(key: str) -> None:
+            async with limit:
+                try:
+                    node = await backend.read_node(key)
+                except TransientBackendError as exc:
+                    log.warning("import: %r skipped this time (is it a symlink?): %s", key, exc)
+                    found[key] = None  # not imported now: the next listing asks again
+                    return
+                except BackendError as exc:
+                    log.warning("import: %r imported as a plain file: %s", key, exc)
+                    return
+            if node is not None:
+                found[key] = node
+
+        async with open_nursery() as nursery:
+            for key in wanted:
+                nursery.start_soon(probe, key)
+        return found
+
+    async def _create(self, dir_row: InodeRow, name: bytes, info: ObjectInfo, node: NodeAttrs | None) -> None:
         opts = self.fs.options
         mtime = info.mtime_ns or time.time_ns()
         if info.is_dir:
+            # Durable: the directory is there, so its rename moves its marker.
             row = InodeRow(ino=0, mode=stat.S_IFDIR | 0o755, uid=opts.owner_uid, gid=opts.owner_gid, size=0, nlink=2,
-                           atime_ns=mtime, mtime_ns=mtime, ctime_ns=mtime, backend_keys=[])
+                           atime_ns=mtime, mtime_ns=mtime, ctime_ns=mtime, state=STATE_DURABLE,
+                           backend_keys=[info.key], persisted_version=0)
+        elif node is not None:
+            mtime = node.mtime_ns or mtime
+            target = node.target if stat.S_ISLNK(node.mode) else None
+            row = InodeRow(ino=0, mode=node.mode, size=len(target) if target else 0, nlink=1,
+                           uid=opts.owner_uid if node.uid is None else node.uid,
+                           gid=opts.owner_gid if node.gid is None else node.gid,
+                           atime_ns=mtime, mtime_ns=mtime, ctime_ns=mtime, rdev=node.rdev, target=target,
+                           state=STATE_DURABLE, backend_keys=[info.key], persisted_version=0)
         else:
             row = InodeRow(ino=0, mode=stat.S_IFREG | 0o644, uid=opts.owner_uid, gid=opts.owner_gid, size=info.size, nlink=1,
                            atime_ns=mtime, mtime_ns=mtime, ctime_ns=mtime, state=STATE_DURABLE, manifest=None,

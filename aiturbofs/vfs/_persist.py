@@ -68,7 +68,7 @@ from .._limits import (
     RENAME_READDIR_BATCH_ENTRIES,
 )
 from .._nursery import open_nursery
-from ..backend import ObjectInfo
+from ..backend import NodeAttrs, ObjectInfo
 from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED
 from ._cluster import CopySource, PersistHints
 
@@ -219,9 +219,9 @@ class Persister:
                     break
                 offset = entries[-1][2]  # readdir's cookie of the last entry: where the next batch starts
                 for name, row, _ in entries:
-                    if row.state is not None:
+                    if row.state is not None:  # a file, or a node the backend keeps (a directory's marker too)
                         self.enqueue(row.ino, moved=True)
-                    elif stat.S_ISDIR(row.mode):  # not a bit test: sockets and block devices share the bit
+                    if stat.S_ISDIR(row.mode):  # not a bit test: sockets and block devices share the bit
                         stack.append((row.ino, None if old is None else f"{old}/{os.fsdecode(name)}"))
         for old in reversed(old_dirs):  # children were found after their parents
             self.enqueue_dir_cleanup(old)
@@ -337,8 +337,9 @@ class Persister:
             path = next(iter(self._dirs_to_clean))  # popped when done: drain waits for it
             try:
                 async with self.ns_lock:
-                    await self.backend.remove_dir(path)
-                    self._note_vacated(path)
+                    if not await self._is_dir_of_namespace(path):  # made again meanwhile: it is that one's now
+                        await self.backend.remove_dir(path)
+                        self._note_vacated(path)
             except BackendError as exc:
                 log.info("backend directory %s not removed: %s", path, exc)
             self._dirs_to_clean.pop(path, None)
@@ -380,8 +381,15 @@ class Persister:
         for row in await self.meta.inodes_in_states([STATE_STAGED, STATE_PERSISTING]):
             if row.owner is None or row.owner not in dead or row.nlink == 0:
                 continue
-            live = [h for h in row.holders if h not in dead]
             name = await self._name(row.ino)
+            if not stat.S_ISREG(row.mode):
+                # A node's row is all there is to it: any live node writes it
+                # (the compare-and-set lets exactly one take it).
+                if await self.meta.claim_owner(row.ino, row.version, row.owner, me):
+                    log.warning("taken_over path=%s dead_owner=%s (a node: writing it from here)", name, row.owner)
+                    self.enqueue(row.ino)
+                continue
+            live = [h for h in row.holders if h not in dead]
             if not live:
                 if await self.meta.set_state(row.ino, STATE_BROKEN, if_version=row.version):
                     self._record_broken(name, f"every node holding it ({', '.join(row.holders)}) died before it was durable")
@@ -398,6 +406,9 @@ class Persister:
         for row in await self.meta.inodes_in_states([STATE_STAGED, STATE_PERSISTING]):
             if not self._mine(row):
                 continue  # another node's file (shared metadata)
+            if not stat.S_ISREG(row.mode):
+                self.enqueue(row.ino)  # a node: everything it needs is in its row
+                continue
             keys = [k for k in chunk.unpack_manifest(row.manifest or b"") if k != chunk.HOLE]
             missing = [k for k in keys if k not in self.pool.spill]
             if cluster is not None and missing and any(h != cluster.node for h in row.holders):
@@ -531,8 +542,12 @@ class Persister:
                 await self._delete_all(row)
                 return
             if row.state is None:
-                return  # not a regular file (a renamed symlink): nothing in the backend
+                return  # a node the backend does not keep: nothing there
             if row.state == STATE_BROKEN:
+                return
+            if not stat.S_ISREG(row.mode):
+                if not await self._publish_node(row.ino):
+                    await self._defer(row, paths)
                 return
             if row.state != STATE_DURABLE or row.persisted_version != row.version:
                 if not self._mine(row):
@@ -558,11 +573,82 @@ class Persister:
                 continue
             return
 
-    async def _holder(self, key: str, ino: int) -> int | None:
+    async def _publish_node(self, ino: int) -> bool:
+        """A symlink, directory or special file: write its backend form at each
+        of its names and remove it from the names it no longer has (there is
+        no data to move: writing it again is cheaper than a copy).  False if
+        another file must move its object away from one of our names first.
+        """
+        async with self.ns_lock:
+            row = await self.meta.get_inode(ino)
+            paths = await self.meta.paths_of(ino) if row.nlink > 0 else []
+            if not paths or row.state is None or row.state == STATE_BROKEN:
+                return True  # the reconcile loop deletes it, or there is nothing to do
+            current = row.state == STATE_DURABLE and row.persisted_version == row.version
+            if current and sorted(row.backend_keys) == sorted(paths):
+                return True
+            if stat.S_IFMT(row.mode) not in self.backend.node_kinds:
+                # Made when another backend was mounted on this metadata.
+                log.info("node_metadata_only path=%s mode=%o (%s cannot hold it)", paths[0], row.mode, self.backend.url)
+                await self.meta.set_attrs(ino, state=None)
+                return True
+            if row.state != STATE_PERSISTING and await self.meta.set_state(ino, STATE_PERSISTING, if_version=row.version):
+                self.fs._notify_state(ino)
+            is_dir = stat.S_ISDIR(row.mode)
+            node = NodeAttrs(row.mode, row.uid, row.gid, row.mtime_ns, row.rdev, row.target)
+            done = [k for k in paths if current and k in row.backend_keys]
+            for dst in paths:
+                if dst in done:
+                    continue
+                # A directory shares its name with the objects below it: only
+                # an object at its key or above it is in its way.
+                placed = await self._free_for(dst, ino, below=not is_dir)
+                if placed:
+                    async with self._key_lock(dst):
+                        placed = await self._place(self.backend.write_node, dst, dst, node)
+                if not placed:
+                    # Where our forms are so far: the stale ones go once we may write.
+                    await self.meta.set_attrs(ino, backend_keys=sorted(set(row.backend_keys) | set(done)))
+                    return False
+                done.append(dst)
+            for stale in row.backend_keys:
+                if stale not in done:
+                    if is_dir:
+                        await self._remove_dir_key(stale)
+                    else:
+                        await self._delete_key(stale, ino)
+            await self.meta.set_state(ino, STATE_DURABLE, if_version=row.version, backend_keys=done,
+                                      persisted_version=row.version)
+        self._backend_answers.set()  # jobs sleeping in backoff retry now
+        self._backend_answers = trio.Event()
+        log.info("persisted_node path=%s mode=%o", ",".join(done), row.mode)
+        await self.fs.on_persisted(ino, await self.meta.get_inode(ino))
+        return True
+
+    async def _remove_dir_key(self, key: str) -> None:
+        """A directory moved away from ``key``: its backend directory (marker)
+        goes where empty, and so do the emptied ones above it.  With ``ns_lock``."""
+        if await self._is_dir_of_namespace(key):
+            return  # another directory has that name now
+        try:
+            await self.backend.remove_dir(key)  # does nothing unless empty: files still moving out
+        except BackendError as exc:
+            log.info("backend directory %s not removed: %s", key, exc)
+            return
+        self._note_vacated(key)
+        await self._prune_dirs(key)
+
+    async def _is_dir_of_namespace(self, key: str) -> bool:
+        row = await self._lookup_path(key)
+        return row is not None and stat.S_ISDIR(row.mode)
+
+    async def _holder(self, key: str, ino: int, *, below: bool = True) -> int | None:
         """Another inode whose persisted object is still at ``key`` although
         its name is elsewhere now (a chain of renames, RENAME_EXCHANGE): it
         has yet to move that object away, so writing ``key`` would destroy
-        its only backend copy.  Such an inode is always queued here, as moved."""
+        its only backend copy.  Such an inode is always queued here, as moved.
+        ``below=False``: objects below ``key`` are no obstacle (a directory's
+        own form shares its name with them)."""
         above = set()
         parent = key.rpartition("/")[0]
         while parent:
@@ -571,10 +657,10 @@ class Persister:
         for other in list(self._moved):
             if other == ino:
                 continue
-            live, keys = await self._moved_keys(other)
+            holds, keys = await self._moved_keys(other)
             # also objects below ``key`` (a backend directory still in use
             # there) or at a directory above it (a file where one is needed)
-            if live and any(k == key or k.startswith(key + "/") or k in above for k in keys):
+            if holds and any(k == key or (below and k.startswith(key + "/")) or k in above for k in keys):
                 return other
         return None
 
@@ -598,13 +684,19 @@ class Persister:
         return False
 
     async def _moved_keys(self, ino: int) -> tuple[bool, list[str]]:
-        """(linked and not broken, backend keys) of a moved inode, cached."""
+        """(holds its keys: linked, not broken, not a directory; backend keys) of a moved inode, cached.
+
+        A directory's old form is no file's only copy: names below it may be
+        written or deleted, and a file at its very key meets it as a conflict
+        (``_place``).
+        """
         marker = self._moved.get(ino)
         if isinstance(marker, tuple):
             return marker
         try:
             row = await self.meta.get_inode(ino)
-            known = (row.nlink > 0 and row.state != STATE_BROKEN, list(row.backend_keys))
+            holds = row.nlink > 0 and row.state != STATE_BROKEN and not stat.S_ISDIR(row.mode)
+            known = (holds, list(row.backend_keys))
         except NotFound:
             known = (False, [])
         if ino in self._moved and self._moved[ino] is marker and ino not in self._running:
@@ -625,6 +717,8 @@ class Persister:
             for i, key in enumerate(keys):
                 if key in paths or not await self._path_alive(key) or await self._holder(key, row.ino) is not None:
                     continue
+                if stat.S_ISDIR(row.mode):
+                    continue  # a directory's old form holds other files' objects: it goes once they moved
                 head, _, _ = key.rpartition("/")
                 aside = f"{head}/" if head else ""
                 aside += f"{ASIDE_PREFIX}{secrets.token_hex(8)}"
@@ -717,12 +811,12 @@ class Persister:
     async def _complete(upload, size: int, out: list) -> None:
         out.append(await upload.complete(size))
 
-    async def _free_for(self, key: str, ino: int) -> bool:
-        """With ``ns_lock`` held: may ``ino`` write its object at ``key``?"""
+    async def _free_for(self, key: str, ino: int, *, below: bool = True) -> bool:
+        """With ``ns_lock`` held: may ``ino`` write its object at ``key``?  (``below``: see _holder)"""
         owner = await self._lookup_path(key)
         if owner is not None and owner.ino != ino:
             return False  # another file or a directory has that name now
-        return await self._holder(key, ino) is None
+        return await self._holder(key, ino, below=below) is None
 
     async def _held(self, keys: list[str], ino: int) -> bool:
         for key in keys:
