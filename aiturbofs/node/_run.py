@@ -225,6 +225,7 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
             with session.scope:
                 await pyfuse3.main()
         finally:
+            session.closed = True  # pyfuse3.terminate() on a closed session dereferences NULL
             pyfuse3.close(unmount=True)
         queued = fs.persister.queue_length()
         log.info("unmounted %s; draining %d file(s) to the backend (timeout %.0f s)", cfg.mountpoint, queued, cfg.drain_timeout_s)
@@ -279,9 +280,10 @@ class _Session:
         self.scope = trio.CancelScope()
         self._nursery = nursery
         self._ending = False
+        self.closed = False
 
     def end(self) -> None:
-        if self._ending:
+        if self._ending or self.closed:
             return
         self._ending = True
         pyfuse3.terminate()
@@ -289,7 +291,7 @@ class _Session:
 
     async def _cancel_after_grace(self) -> None:
         await trio.sleep(SESSION_END_GRACE_S)
-        if not self.scope.cancelled_caught:
+        if not self.closed:
             log.warning("FUSE requests still running %.0f s after the session ended (writers waiting for memory?): "
                         "cancelling them", SESSION_END_GRACE_S)
             self.scope.cancel()
