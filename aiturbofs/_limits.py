@@ -23,6 +23,11 @@ ZERO_RUN_BYTES = 64 * KiB  # local backend: aligned runs of zeros this long insi
 
 # --- FUSE ---------------------------------------------------------------------
 FUSE_REQUEST_BYTES_MAX = 1 * MiB  # libfuse 3.14 fixes max_write at 256 pages
+# FUSE requests handled at once (pyfuse3's default is 99).  Writers waiting
+# for pool memory each hold one: at 99 of them every other request (a stat,
+# the close that would free memory) waited.  A task costs its request
+# (<= FUSE_REQUEST_BYTES_MAX, held by the waiting writer anyway).
+FUSE_TASKS_MAX = 1024
 # st_blksize: cp, dd and stdio size their I/O by it, so each request is one
 # full FUSE write.  fsstress's copy_file_range/splice place copies up to 1024
 # blocks past EOF (1 GiB): a hole, which costs nothing (see docs/design.md).

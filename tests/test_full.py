@@ -12,10 +12,12 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 from mounting import aiturbo, wait_state
+from test_durability import s3, s3_outage_server, s3m  # noqa: F401  (fixtures)
 
 MiB = 1 << 20
 WAIT_S = 60.0
@@ -139,3 +141,44 @@ def test_a_lazy_unmount_ends_the_daemon_while_a_writer_waits(tmpfs, make_mount):
             w.kill()  # blocked in the kernel until the daemon answers: end the daemon first
             m.kill()
         w.wait()
+
+
+def test_writers_waiting_for_memory_leave_room_for_other_requests(tmpfs, s3m):  # noqa: F811
+    """D9: pyfuse3 handled 99 requests at once; 99 writers waiting for memory
+    (S3 not answering, the spill dir full) stalled every other request of
+    every process: a stat, a listing, the close that would free memory."""
+    spill = tmpfs("spill", 1)
+    m = s3m.mount(dram="16M", spill=spill, drain_timeout="60")
+    os.listdir(m.mountpoint)
+    s3m.server.freeze()  # nothing becomes durable: the pool stays full
+    writers, errors = [], []
+
+    def write(i: int) -> None:
+        try:
+            with open(m.path(f"w{i:03d}.bin"), "wb") as f:
+                f.write(os.urandom(MiB))
+        except OSError as e:
+            errors.append(e)
+
+    try:
+        for i in range(110):
+            t = threading.Thread(target=write, args=(i,), daemon=True)
+            t.start()
+            writers.append(t)
+        deadline = time.monotonic() + WAIT_S
+        # 95 of them: more than pyfuse3's own limit leaves room for, fewer than it allows
+        while json.loads(aiturbo("status", "--json", m.mountpoint).stdout)["pool"]["waiting_writers"] < 95:
+            assert time.monotonic() < deadline, "the writers never waited for memory"
+            time.sleep(0.2)
+        answered = threading.Event()
+        threading.Thread(target=lambda: (os.stat(m.path("")), os.listdir(m.mountpoint), answered.set()),
+                         daemon=True).start()
+        assert answered.wait(10), "a stat and a listing waited behind the writers"
+    finally:
+        s3m.server.thaw()
+    deadline = time.monotonic() + WAIT_S * 2
+    for t in writers:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not errors and not any(t.is_alive() for t in writers), errors
+    for i in range(110):
+        assert wait_state(m.path(f"w{i:03d}.bin"), "durable", WAIT_S) == "durable"

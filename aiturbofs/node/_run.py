@@ -24,6 +24,7 @@ from .. import backend as backend_mod
 from .. import meta as meta_mod
 from .._errors import AiturboError, ConfigError
 from .._limits import (
+    FUSE_TASKS_MAX,
     MALLOC_MMAP_THRESHOLD_BYTES,
     MALLOC_TRIM_THRESHOLD_BYTES,
     METRICS_NODE_ADDRESS_DEFAULT,
@@ -223,7 +224,7 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
         ready.send("OK")
         try:
             with session.scope:
-                await pyfuse3.main()
+                await pyfuse3.main(max_tasks=FUSE_TASKS_MAX)
         finally:
             session.closed = True  # pyfuse3.terminate() on a closed session dereferences NULL
             pyfuse3.close(unmount=True)
