@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 STATE_STAGED = "staged"  # every byte is in the cluster DRAM pool (future 0)
@@ -155,6 +155,17 @@ class MetaStore(ABC):
         ``META_READDIR_ENTRIES_MAX``.  Raises ``NotFound`` / ``NotADirectory``
         for a bad ``parent``.
         """
+
+    async def children(self, parent: int, batch: int) -> AsyncIterator[tuple[bytes, InodeRow]]:
+        """Every ``(name, row)`` of ``parent``, read ``batch`` entries at a time (see ``readdir``)."""
+        offset = 0
+        while True:
+            entries = await self.readdir(parent, offset, batch)
+            if not entries:
+                return
+            offset = entries[-1][2]  # the last entry's cookie: where the next batch starts
+            for name, row, _ in entries:
+                yield name, row
 
     @abstractmethod
     async def create(

@@ -153,7 +153,7 @@ class Filesystem:
         self.backend = backend
         # The largest file a write or truncate may make: what the backend can
         # hold (S3: 5 TiB), refused at once (EFBIG) rather than broken at persist.
-        self.size_max = min(FILE_SIZE_BYTES_MAX, getattr(backend, "object_bytes_max", FILE_SIZE_BYTES_MAX))
+        self.size_max = min(FILE_SIZE_BYTES_MAX, backend.object_bytes_max)
         self.pool = pool
         self.options = options
         self._reporter = reporter
@@ -589,14 +589,9 @@ class Filesystem:
         the symlinks and special files in it, which Linux lets carry no user.*
         xattr (so ``aiturbo wait`` asks their directory).  The worst one wins."""
         states = set() if row.state is None else {row.state}
-        offset = 0
-        while True:
-            entries = await self.meta.readdir(row.ino, offset, READDIR_BATCH_ENTRIES)
-            if not entries:
-                break
-            offset = entries[-1][2]  # readdir's cookie of the last entry
-            states.update(child.state for _, child, _ in entries
-                          if child.state is not None and not stat.S_ISREG(child.mode) and not stat.S_ISDIR(child.mode))
+        async for _, child in self.meta.children(row.ino, READDIR_BATCH_ENTRIES):
+            if child.state is not None and not stat.S_ISREG(child.mode) and not stat.S_ISDIR(child.mode):
+                states.add(child.state)
         for state in (STATE_BROKEN, STATE_STAGED, STATE_PERSISTING, STATE_DURABLE):
             if state in states:
                 return state

@@ -212,17 +212,11 @@ class Persister:
             ino, old = stack.pop()
             if old is not None:
                 old_dirs.append(old)
-            offset = 0
-            while True:
-                entries = await self.meta.readdir(ino, offset, RENAME_READDIR_BATCH_ENTRIES)
-                if not entries:
-                    break
-                offset = entries[-1][2]  # readdir's cookie of the last entry: where the next batch starts
-                for name, row, _ in entries:
-                    if row.state is not None:  # a file, or a node the backend keeps (a directory's marker too)
-                        self.enqueue(row.ino, moved=True)
-                    if stat.S_ISDIR(row.mode):  # not a bit test: sockets and block devices share the bit
-                        stack.append((row.ino, None if old is None else f"{old}/{os.fsdecode(name)}"))
+            async for name, row in self.meta.children(ino, RENAME_READDIR_BATCH_ENTRIES):
+                if row.state is not None:  # a file, or a node the backend keeps (a directory's marker too)
+                    self.enqueue(row.ino, moved=True)
+                if stat.S_ISDIR(row.mode):  # not a bit test: sockets and block devices share the bit
+                    stack.append((row.ino, None if old is None else f"{old}/{os.fsdecode(name)}"))
         for old in reversed(old_dirs):  # children were found after their parents
             self.enqueue_dir_cleanup(old)
 
@@ -619,8 +613,7 @@ class Persister:
                         await self._delete_key(stale, ino)
             await self.meta.set_state(ino, STATE_DURABLE, if_version=row.version, backend_keys=done,
                                       persisted_version=row.version)
-        self._backend_answers.set()  # jobs sleeping in backoff retry now
-        self._backend_answers = trio.Event()
+        self.backend_answered()
         log.info("persisted_node path=%s mode=%o", ",".join(done), row.mode)
         await self.fs.on_persisted(ino, await self.meta.get_inode(ino))
         return True
@@ -898,11 +891,11 @@ class Persister:
                 key = keys[i]
                 if key == chunk.HOLE:
                     continue  # zeros already
-                length = chunk.chunk_length(row.size, i)
+                n = chunk.chunk_length(row.size, i)
                 at = (i - first) * CHUNK_BYTES
-                fetch = functools.partial(self._fetch_previous, row, i, key, length)
+                fetch = functools.partial(self._fetch_previous, row, i, key, n)
                 async with self._part_memory(key), self.pool.lease(key, fetch) as view:
-                    buf[at:at + length] = view
+                    buf[at:at + n] = view
             await upload.write_part(index, buf)
             self.bytes_uploaded += len(buf)
         finally:
