@@ -106,7 +106,9 @@ LIST_ENTRIES_MAX = 1_000_000  # entries imported from one backend directory
 IMPORT_NODE_PROBES_IN_FLIGHT = 8
 
 # --- metadata ---------------------------------------------------------------------
-META_THREADS_MAX = 1  # sqlite: one connection, one thread
+META_SQLITE_READERS = 2  # sqlite: reader connections (and threads) beside the one writer
+META_SQLITE_CHECKPOINT_COMMITS = 500  # sqlite: groups between WAL checkpoints (in a thread)
+META_SQLITE_GROUP_MAX = 256  # sqlite: write transactions one group commit (one fsync) runs at most
 ERRORS_KEPT_MAX = 100  # recent errors shown by `aiturbo status`
 READDIR_BATCH_ENTRIES = 256  # entries one FUSE readdir reads from the metadata engine
 IMPORT_READDIR_BATCH_ENTRIES = 1024  # entries an import reads at once to compare with a listing

@@ -36,7 +36,7 @@ class Mount:
     def start(self, timeout_s: float = 30.0) -> "Mount":
         os.makedirs(self.mountpoint, exist_ok=True)
         cmd = [sys.executable, "-m", "aiturbofs.cli.mount", self.backend, self.mountpoint, "-f", "-o", self.option_string()]
-        env = dict(os.environ, PYTHONPATH=REPO, **(self.env or {}))
+        env = {**os.environ, "PYTHONPATH": REPO, **(self.env or {})}
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout_s

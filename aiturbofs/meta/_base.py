@@ -263,26 +263,37 @@ class MetaStore(ABC):
         mtime_ns: int | None = None,
         owner: str | None = None,
         holders: Sequence[str] | None = None,
+        sync: bool = True,
     ) -> InodeRow:
         """Record new content: size, manifest and state; version + 1.
 
         ``mtime_ns``, when given, sets both mtime and ctime (content changed).
         ``owner`` and ``holders`` of the new version are set as given: a
         version committed without them starts unowned and held nowhere.
-        Returns the row with the new version.  On SQLite this commit is
-        synced to disk before it returns.  Raises ``NotFound``.
+        Returns the row with the new version.  ``sync``: the commit is on
+        stable storage before this returns (fsync(2)); without it a process
+        crash still keeps it, a host crash may not (SQLite: see its module).
+        Raises ``NotFound``.
         """
+
+    async def sync(self) -> None:
+        """Put every change committed so far on stable storage (fsync(2) of a
+        file whose last commit was made without ``sync``).  An engine whose
+        every commit is durable (PostgreSQL) has nothing to do."""
+        return None
 
     @abstractmethod
     async def set_state(
-        self, ino: int, state: str, /, *, if_version: int | None = None, **fields
+        self, ino: int, state: str, /, *, if_version: int | None = None, sync: bool = True, **fields
     ) -> bool:
         """Set the state (and other fields) if the version still matches.
 
         Returns ``False`` and changes nothing when ``if_version`` is given and
         the row's version differs (a newer commit won the race).  ``fields``
         are as in ``set_attrs`` except ``version``, which only
-        ``commit_manifest`` moves.  Raises ``NotFound``.
+        ``commit_manifest`` moves.  ``sync``: on stable storage before this
+        returns (else call ``sync()`` later, e.g. once a lock is released).
+        Raises ``NotFound``.
         """
 
     @abstractmethod

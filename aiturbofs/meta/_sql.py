@@ -263,11 +263,14 @@ class SqlMetaStore(MetaStore):
         write: bool,
         durable: bool = False,
         dirs: tuple[int, ...] = (),
+        quick: bool = False,
     ) -> Any:
         """Run ``body(tx, *args)`` as one transaction in a worker thread.
 
         ``dirs``: the directories whose entries the body changes (see
-        ``_transact_in_dirs``).  Not cancellable once started: a cancelled
+        ``_transact_in_dirs``).  ``quick``: a read of a few rows by key, which
+        an engine whose reads need no I/O to wait for may run without the
+        thread hop.  Not cancellable once started: a cancelled
         caller never leaves a transaction half-applied or a connection
         mid-statement.
         """
@@ -465,10 +468,10 @@ class SqlMetaStore(MetaStore):
     # --- namespace reads ---------------------------------------------------------------
 
     async def get_inode(self, ino: int) -> InodeRow:
-        return await self._run(self._get, ino, write=False)
+        return await self._run(self._get, ino, write=False, quick=True)
 
     async def lookup(self, parent: int, name: bytes) -> InodeRow:
-        return await self._run(self._tx_lookup, parent, name, write=False)
+        return await self._run(self._tx_lookup, parent, name, write=False, quick=True)
 
     def _tx_lookup(self, tx: Tx, parent: int, name: bytes) -> InodeRow:
         row = self._entry(tx, parent, name)
@@ -496,7 +499,7 @@ class SqlMetaStore(MetaStore):
         return [(bytes(name), _row(rest), token) for token, name, *rest in found]
 
     async def paths_of(self, ino: int) -> list[str]:
-        return await self._run(self._tx_paths_of, ino, write=False)
+        return await self._run(self._tx_paths_of, ino, write=False, quick=True)
 
     def _tx_paths_of(self, tx: Tx, ino: int) -> list[str]:
         if ino == ROOT_INO:
@@ -757,6 +760,7 @@ class SqlMetaStore(MetaStore):
         mtime_ns: int | None = None,
         owner: str | None = None,
         holders: Sequence[str] | None = None,
+        sync: bool = True,
     ) -> InodeRow:
         fields: dict[str, Any] = {
             "size": size,
@@ -768,9 +772,9 @@ class SqlMetaStore(MetaStore):
         _check_fields(fields)
         if mtime_ns is not None:
             fields.update(mtime_ns=mtime_ns, ctime_ns=mtime_ns)
-        # A crash must not keep a manifest but lose the state change that goes
-        # with it, nor lose a commit callers were told about: sync it.
-        return await self._run(self._tx_commit_manifest, ino, fields, write=True, durable=True)
+        # One transaction: a crash never keeps a manifest but loses the state
+        # change that goes with it.  ``sync``: on disk before this returns.
+        return await self._run(self._tx_commit_manifest, ino, fields, write=True, durable=sync)
 
     def _tx_commit_manifest(self, tx: Tx, ino: int, fields: dict[str, Any]) -> InodeRow:
         sets, values = _assignments(fields)
@@ -784,16 +788,16 @@ class SqlMetaStore(MetaStore):
         return _row(found)
 
     async def set_state(
-        self, ino: int, state: str, /, *, if_version: int | None = None, **fields: Any
+        self, ino: int, state: str, /, *, if_version: int | None = None, sync: bool = True, **fields: Any
     ) -> bool:
         if "state" in fields:
             raise ValueError("state is the second argument of set_state")
         fields = {"state": state, **fields}
         _check_fields(fields, SETTABLE_FIELDS - {"version"})
         expect = {} if if_version is None else {"version": if_version}
-        # Durable: "durable" with its backend_keys must survive a power cut,
-        # or a restart would think the only copy was the lost DRAM one.
-        return await self._run(self._tx_update_if, ino, fields, expect, write=True, durable=True)
+        # Synced by default: "durable" with its backend_keys must survive a power
+        # cut, or a restart would think the only copy was the lost DRAM one.
+        return await self._run(self._tx_update_if, ino, fields, expect, write=True, durable=sync)
 
     async def claim_owner(
         self, ino: int, version: int, expected_owner: str | None, new_owner: str | None
@@ -862,7 +866,7 @@ class SqlMetaStore(MetaStore):
     # --- xattrs ----------------------------------------------------------------------
 
     async def getxattr(self, ino: int, name: bytes) -> bytes:
-        return await self._run(self._tx_getxattr, ino, name, write=False)
+        return await self._run(self._tx_getxattr, ino, name, write=False, quick=True)
 
     def _tx_getxattr(self, tx: Tx, ino: int, name: bytes) -> bytes:
         found = tx.one("SELECT value FROM xattrs WHERE ino = ? AND name = ?", ino, name)
@@ -905,7 +909,7 @@ class SqlMetaStore(MetaStore):
             raise err.NotFound(f"inode {ino}")
 
     async def listxattr(self, ino: int) -> list[bytes]:
-        return await self._run(self._tx_listxattr, ino, write=False)
+        return await self._run(self._tx_listxattr, ino, write=False, quick=True)
 
     def _tx_listxattr(self, tx: Tx, ino: int) -> list[bytes]:
         found = tx.all("SELECT name FROM xattrs WHERE ino = ? ORDER BY name", ino)
