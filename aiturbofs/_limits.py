@@ -100,6 +100,7 @@ IMPORT_TTL_S = 5.0  # default -o import_ttl: re-list a backend directory after t
 # for that listing, then answers from the metadata (not at all while the backend
 # is unavailable).  A never-imported directory waits for its first listing.
 IMPORT_WAIT_S = 1.0
+IMPORT_DIRS_REMEMBERED_MAX = 65536  # directories whose last import time is kept in memory (~100 B each)
 LIST_ENTRIES_MAX = 1_000_000  # entries imported from one backend directory
 # HEADs at once while an import asks whether small new objects are symlinks
 # or special files (S3 lists no metadata: see Backend.node_probe_bytes_max).

@@ -406,7 +406,7 @@ class Filesystem:
         _check_name(name)
         await self._check_path_bytes(parent, name)
         parent_row = await self.meta.get_inode(parent)
-        await self.importer.refresh(parent)
+        await self.importer.refresh(parent, parent_row)
         gid, mode = self._creation_ids(parent_row, uid, gid, mode)
         now = _now_ns()
         is_reg = stat.S_ISREG(mode)
@@ -445,6 +445,7 @@ class Filesystem:
         node = await self._create_row(parent, name, stat.S_IFDIR | (mode & 0o7777), uid, gid)
         node.row.imported_ns = _now_ns()  # nothing in the backend below a new dir
         await self.meta.set_attrs(node.ino, imported_ns=node.row.imported_ns)
+        self.importer.note_imported(node.ino, node.row.imported_ns)
         self._persist_node(node)
         return self._attr(node)
 
@@ -710,7 +711,9 @@ class Filesystem:
         if node.content is None:
             return
         if node.content.dirty and node.row.nlink > 0:
-            await self._commit(node)
+            await self._commit(node, sync=True)
+        elif node.row.nlink > 0:
+            await self.meta.sync()  # a close's unsynced commit: on disk now
         if node.row.nlink > 0 and await self._fsync_durable(node):
             await self.wait_durable(node.ino)
 
@@ -916,8 +919,14 @@ class Filesystem:
                     if chunk.chunk_length(content.size, index) > len(slot.buf):
                         await self._writable_slot(node, content, index, chunk.chunk_length(content.size, index))
 
-    async def _commit(self, node: Inode) -> None:
-        """Future 0: seal every chunk and commit the manifest as ``staged``."""
+    async def _commit(self, node: Inode, *, sync: bool = False) -> None:
+        """Future 0: seal every chunk and commit the manifest as ``staged``.
+
+        ``sync`` (fsync): the commit is on disk when this returns.  Without
+        it (close) a host crash may lose the commit, as it loses the DRAM
+        bytes; the persister syncs it before the upload begins (README, "What
+        a crash can lose").
+        """
         content = node.file
         while content.dirty:
             seq = content.seq
@@ -935,6 +944,7 @@ class Filesystem:
                     continue  # written meanwhile: seal and place the new bytes
             row = await self.meta.commit_manifest(
                 node.ino, size=content.size, manifest=manifest, state=STATE_STAGED, mtime_ns=node.row.mtime_ns,
+                sync=sync,
                 **({"owner": self.cluster.node, "holders": placed.holders}
                    if self.cluster is not None and placed is not None else {}),
             )

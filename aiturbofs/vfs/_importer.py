@@ -25,6 +25,7 @@ import trio
 
 from .._errors import AiturboError, BackendError, BackendUnreachable, Exists, NotFound, TransientBackendError
 from .._limits import (
+    IMPORT_DIRS_REMEMBERED_MAX,
     IMPORT_NODE_PROBES_IN_FLIGHT,
     IMPORT_READDIR_BATCH_ENTRIES,
     IMPORT_WAIT_S,
@@ -65,6 +66,15 @@ class Importer:
     def __init__(self, fs):
         self.fs = fs
         self._busy: dict[int, _Listing] = {}
+        # Directory -> an imported_ns it had: imported_ns only grows, so one
+        # that is fresh here is fresh in the metadata too, and a lookup or
+        # create in it needs no read of the directory's row.
+        self._imported: dict[int, int] = {}
+
+    def note_imported(self, ino: int, imported_ns: int) -> None:
+        if len(self._imported) >= IMPORT_DIRS_REMEMBERED_MAX and ino not in self._imported:
+            self._imported.clear()  # forgetting costs one row read per directory
+        self._imported[ino] = max(imported_ns, self._imported.get(ino, 0))
 
     async def refresh_named(self, parent: int, name: bytes) -> None:
         try:
@@ -92,16 +102,25 @@ class Importer:
                 offset = batch[-1][2]  # readdir's cookie of the last entry: where the next batch starts
                 stack.extend(row.ino for _, row, _ in batch if stat.S_ISDIR(row.mode))
 
-    async def refresh(self, ino: int) -> None:
+    async def refresh(self, ino: int, row: InodeRow | None = None) -> None:
         """Import ``ino``'s backend listing if it is a directory older than the TTL.
 
-        Waits for the listing only as the module doc says; a failed listing
-        is logged, never raised (the caller answers from the metadata).
+        ``row``: ``ino``'s row, if the caller just read it.  Waits for the
+        listing only as the module doc says; a failed listing is logged,
+        never raised (the caller answers from the metadata).
         """
         listing = self._busy.get(ino)
         if listing is None:
-            row = await self.fs.meta.get_inode(ino)
-            if not stat.S_ISDIR(row.mode) or time.time_ns() - row.imported_ns < self.fs.options.import_ttl_s * 1e9:
+            ttl_ns = self.fs.options.import_ttl_s * 1e9
+            known = self._imported.get(ino)
+            if known is not None and time.time_ns() - known < ttl_ns:
+                return
+            if row is None:
+                row = await self.fs.meta.get_inode(ino)
+            if not stat.S_ISDIR(row.mode):
+                return
+            self.note_imported(ino, row.imported_ns)
+            if time.time_ns() - row.imported_ns < ttl_ns:
                 return
             if not self.fs.health.available:
                 return  # imported once the backend answers
@@ -182,6 +201,7 @@ class Importer:
         except BackendError as exc:  # refused, or a 5xx: try again after the TTL
             log.warning("import of %r from the backend failed: %s", prefix or "/", exc)
             await meta.set_attrs(dir_row.ino, imported_ns=started)
+            self.note_imported(dir_row.ino, started)
             return
         self.fs.health.mark_up()
         listed = set()
@@ -210,6 +230,7 @@ class Importer:
                     and row.backend_keys == [self._key(prefix, name)]):
                 await self._remove(dir_row.ino, name, row)
         await meta.set_attrs(dir_row.ino, imported_ns=started)
+        self.note_imported(dir_row.ino, started)
 
     @staticmethod
     def _key(prefix: str, name: bytes) -> str:
