@@ -12,10 +12,13 @@ stopping it, since a restarted moto is empty.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import secrets
+import shutil
+import sqlite3
 import time
 
 import pytest
@@ -193,6 +196,97 @@ def test_kill9_without_spill_reports_broken_never_other_bytes(s3m):
     log = m2.log()
     assert "broken path=lost1.bin reason=" in log and "only in DRAM" in log
     assert_no_bug(log)
+
+
+# ------------------------------------------------- power cut (the lost tail of the WAL)
+#
+# A power cut loses what the metadata database committed after its last
+# fsync (see aiturbofs/meta/_sqlite.py); a daemon crash loses nothing.  kill -9
+# cannot show that, so these tests cut the tail themselves: they put back a
+# consistent copy of the database taken earlier (sqlite3's backup API reads
+# one snapshot), or undo the rows' last transition, as a replay of the WAL
+# up to an older fsync would.
+
+
+def meta_db(m) -> str:
+    return os.path.join(m.state_dir, "meta.db")
+
+
+def snapshot_db(m, dest: str) -> None:
+    src, dst = sqlite3.connect(meta_db(m)), sqlite3.connect(dest)
+    try:
+        src.backup(dst)
+    finally:
+        src.close()
+        dst.close()
+
+
+def restore_db(m, snapshot: str) -> None:
+    """The daemon is dead: its database becomes ``snapshot`` (no WAL beside it)."""
+    for suffix in ("-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(meta_db(m) + suffix)
+    shutil.copyfile(snapshot, meta_db(m))
+
+
+def test_power_cut_after_the_upload_finds_the_bytes_in_the_backend(s3m):
+    """The host died after the objects were published but before the
+    ``durable`` states were synced: the restart sees ``persisting`` rows.
+    Their objects hold exactly those versions (size and every chunk's BLAKE3
+    checked), so they are durable, not broken; one whose object was changed
+    meanwhile is broken, never served with the other bytes."""
+    m = s3m.mount(**NO_REIMPORT)
+    files = {"a.bin": secrets.token_bytes(2 * CHUNK + 5), "b.txt": b"small", "empty": b"",
+             "c.bin": secrets.token_bytes(CHUNK)}
+    for name, data in files.items():
+        put(m.path(name), data)
+    assert aiturbo("wait", m.mountpoint, check=False, timeout=WAIT_S).returncode == 0
+    m.kill()
+    db = sqlite3.connect(meta_db(m), isolation_level=None)
+    try:
+        changed = db.execute(
+            "UPDATE inodes SET state = 'persisting', backend_keys = '[]', persisted_version = 0, backend_etag = NULL"
+            " WHERE state = 'durable' AND (mode & 61440) = 32768").rowcount
+    finally:
+        db.close()
+    assert changed == len(files)
+    other = secrets.token_bytes(CHUNK)  # another tool rewrote c.bin in between: same size, other bytes
+    S3Writer(s3m).put("c.bin", other)
+    m2 = remount(s3m, m, **NO_REIMPORT)
+    for name in ("a.bin", "b.txt", "empty"):
+        assert state(m2.path(name)) == "durable", name
+        assert get(m2.path(name)) == files[name], name
+    assert state(m2.path("c.bin")) == "broken"
+    assert_eio(m2.path("c.bin"))
+    log = m2.log()
+    assert "from=backend key=a.bin" in log and "from=backend key=b.txt" in log  # (empty has no chunk to lose)
+    assert "broken path=c.bin" in log
+    assert s3m.objects()["c.bin"] == other  # the broken file's object is left as it is
+    assert_no_bug(log)
+
+
+def test_power_cut_before_a_close_was_synced_brings_back_the_synced_version(s3m, tmp_path):
+    """close() commits without an fsync; a power cut right after it (the
+    bytes were only in DRAM) brings back the file's last synced version,
+    exact and durable, and drops what was created since: never a mix."""
+    m = s3m.mount(**NO_REIMPORT)
+    v1 = secrets.token_bytes(CHUNK + 7)
+    put(m.path("f.bin"), v1)
+    assert aiturbo("wait", m.mountpoint, check=False, timeout=WAIT_S).returncode == 0
+    snapshot = str(tmp_path / "synced.db")
+    snapshot_db(m, snapshot)  # what the disk holds at the last fsync
+    s3m.server.freeze()  # nothing after this reaches the backend
+    put(m.path("f.bin"), secrets.token_bytes(CHUNK + 7))
+    put(m.path("new.bin"), b"made after the last fsync")
+    m.kill()
+    restore_db(m, snapshot)
+    s3m.server.thaw()
+    m2 = remount(s3m, m, **NO_REIMPORT)
+    assert get(m2.path("f.bin")) == v1 and state(m2.path("f.bin")) == "durable"
+    assert not os.path.exists(m2.path("new.bin"))
+    assert aiturbo("wait", m2.mountpoint, check=False, timeout=WAIT_S).returncode == 0
+    assert sorted(s3m.objects()) == ["f.bin"] and s3m.objects()["f.bin"] == v1
+    assert_no_bug(m2.log())
 
 
 # ------------------------------------------------------------------- BLAKE3 checks

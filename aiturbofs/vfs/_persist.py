@@ -408,6 +408,8 @@ class Persister:
             if cluster is not None and missing and any(h != cluster.node for h in row.holders):
                 log.info("recovering ino=%d from=replicas chunks=%d", row.ino, len(missing))
                 missing = []
+            if missing and await self._recover_from_backend(row):
+                continue
             if missing and not row.backend_keys:
                 await self.meta.set_state(row.ino, STATE_BROKEN)
                 self._record_broken(await self._name(row.ino), f"{len(missing)} of its {len(keys)} chunk(s) "
@@ -424,6 +426,43 @@ class Persister:
         for k in self.pool.spill.keys():
             if not self.pool.pinned(k):
                 self.pool.spill.discard(k)
+
+    async def _recover_from_backend(self, row) -> bool:
+        """Mark ``row`` durable if one of its names in the backend holds exactly
+        its version: same size, and every chunk hashes (BLAKE3) to its
+        manifest.  The host went down between the upload and the sync of the
+        ``durable`` state: the bytes made it, so the file is not broken.
+        """
+        paths = await self.meta.paths_of(row.ino) if row.nlink > 0 else []
+        for key in paths:
+            try:
+                info = await self._holds_version(key, row)
+            except (BackendError, IntegrityError) as exc:
+                log.info("recovery: %s not checked in the backend: %s", key, exc)
+                continue
+            if info is None:
+                continue
+            stale = [k for k in row.backend_keys if k not in paths]  # deleted by the reconcile below
+            if not await self.meta.set_state(row.ino, STATE_DURABLE, if_version=row.version, backend_keys=[key, *stale],
+                                             persisted_version=row.version, backend_etag=info.etag):
+                return False
+            log.warning("recovered ino=%d size=%d from=backend key=%s (uploaded before the daemon stopped)",
+                        row.ino, row.size, key)
+            self.enqueue(row.ino, moved=True)  # its other names, its stale objects
+            return True
+        return False
+
+    async def _holds_version(self, key: str, row) -> ObjectInfo | None:
+        """The object at ``key`` if its bytes are exactly ``row``'s version, else None."""
+        info = await self.backend.stat(key)
+        if info is None or info.is_dir or info.size != row.size:
+            return None
+        keys = chunk.unpack_manifest(row.manifest or b"")
+        for index in range(chunk.chunk_count(row.size)):
+            data = await self.read_range(key, index * CHUNK_BYTES, chunk.chunk_length(row.size, index))
+            if index >= len(keys) or await trio.to_thread.run_sync(chunk.content_key, data) != keys[index]:
+                return None
+        return info
 
     # ------------------------------------------------------------ one job
     async def _persist_with_retry(self, ino: int) -> None:
@@ -612,7 +651,8 @@ class Persister:
                     else:
                         await self._delete_key(stale, ino)
             await self.meta.set_state(ino, STATE_DURABLE, if_version=row.version, backend_keys=done,
-                                      persisted_version=row.version)
+                                      persisted_version=row.version, sync=False)
+        await self.meta.sync()  # outside ns_lock: nodes in flight share the fsync
         self.backend_answered()
         log.info("persisted_node path=%s mode=%o", ",".join(done), row.mode)
         await self.fs.on_persisted(ino, await self.meta.get_inode(ino))
@@ -768,8 +808,10 @@ class Persister:
                 for stale in row.backend_keys:
                     if stale not in done:
                         await self._delete_key(stale, row.ino)
+                # Synced below, once the lock is free: files in flight share
+                # one fsync instead of taking turns at it under ns_lock.
                 durable = await self.meta.set_state(
-                    row.ino, STATE_DURABLE, if_version=row.version,
+                    row.ino, STATE_DURABLE, if_version=row.version, sync=False,
                     backend_keys=done, persisted_version=row.version, backend_etag=info.etag,
                 )
                 if not durable:
@@ -789,6 +831,7 @@ class Persister:
                 return False
             raise
         if durable:
+            await self.meta.sync()
             await self._record_sources(row, target, info.etag)
             self.files_durable += 1
             self.backend_answered()
