@@ -65,6 +65,7 @@ FULL_BACKEND_WAIT_S = 60.0  # default -o full_backend_wait: then writers waiting
 PERSIST_BACKOFF_FIRST_S = 0.2
 PERSIST_BACKOFF_MAX_S = 30.0
 BACKEND_THREADS_MAX = 8  # blocking backend calls in worker threads at once
+LOCAL_SMALL_PART_BYTES = 1 << 20  # file://: a first part up to this is copied and written with the publish (one thread hop)
 BACKEND_CALL_TIMEOUT_S = 120.0  # one backend call (a part, a listing)
 DRAIN_TIMEOUT_S_DEFAULT = 600.0  # default -o drain_timeout at unmount/SIGTERM
 BACKEND_CONNECT_TIMEOUT_S = 10.0  # S3 TCP connect: a dead endpoint fails fast, as transient

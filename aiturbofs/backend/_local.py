@@ -24,7 +24,14 @@ from typing import Any
 import trio
 
 from .._errors import BackendError, BackendNotFound, InvalidArgument, SourceChanged, TransientBackendError
-from .._limits import BACKEND_THREADS_MAX, CHUNK_BYTES, LIST_ENTRIES_MAX, NAME_BYTES_MAX, PATH_BYTES_MAX
+from .._limits import (
+    BACKEND_THREADS_MAX,
+    CHUNK_BYTES,
+    LIST_ENTRIES_MAX,
+    LOCAL_SMALL_PART_BYTES,
+    NAME_BYTES_MAX,
+    PATH_BYTES_MAX,
+)
 from ._base import (
     UPLOAD_TEMP_PREFIX,
     Backend,
@@ -223,22 +230,34 @@ class LocalUpload(Upload):
         self._nonce = nonce
         self._shared = False  # a token was handed out: other processes may write parts
         self._published = False  # the temp file has been renamed onto the target
+        # A small first part is kept (a copy) and written by the next thread
+        # hop (publish, usually): a small file then costs one hop, not two.
+        self._small: bytes | None = None
 
     async def _write_part(self, index: int, data: Buffer) -> None:
+        if index == 0 and len(data) <= LOCAL_SMALL_PART_BYTES and not self._shared:
+            self._small = bytes(data)  # a copy: the caller's buffer is only lent for this call
+            return
         await self._backend._run(
-            f"write part {index} of {self.key!r}",
-            pwrite_sparse,
-            self._fd,
-            data,
-            index * self.part_bytes,
+            f"write part {index} of {self.key!r}", self._in_temp, pwrite_sparse, data, index * self.part_bytes,
             abandon_on_cancel=False,
         )
+
+    def _in_temp(self, fn, *args):
+        """``fn(fd, *args)`` once a kept small part is in the temp file (blocking)."""
+        small, self._small = self._small, None
+        assert self._fd is not None  # closed only once published, or by abort (which ends the upload)
+        if small is not None:
+            pwrite_sparse(self._fd, small, 0)
+        return fn(self._fd, *args)
 
     async def _zero_part(self, index: int, length: int) -> tuple[int, int]:
         # The temp file is new: an unwritten range is a hole already, and
         # publish's ftruncate makes the tail one.  Punched in case the part
         # was written before (the latest entry of a part wins).
-        await self._backend._run(f"zero part {index} of {self.key!r}", punch_hole, self._fd,
+        if index == 0:
+            self._small = None  # this part's newest entry
+        await self._backend._run(f"zero part {index} of {self.key!r}", self._in_temp, punch_hole,
                                  index * self.part_bytes, length, abandon_on_cancel=False)
         return 0, 0
 
@@ -246,8 +265,11 @@ class LocalUpload(Upload):
         what = f"copy {src_key!r}[{offset}:{offset + length}] to part {index} of {self.key!r}"
         src_path = self._backend._path(src_key)
         dst_offset = index * self.part_bytes
+        if index == 0:
+            self._small = None  # this part's newest entry
         etag, copied = await self._backend._run(
-            what, _copy_range_sync, src_path, self._fd, offset, dst_offset, length, if_etag, abandon_on_cancel=False
+            what, self._in_temp, lambda fd: _copy_range_sync(src_path, fd, offset, dst_offset, length, if_etag),
+            abandon_on_cancel=False,
         )
         if if_etag is not None and etag != if_etag:
             raise SourceChanged(f"{what}: the source's etag is {etag}, not {if_etag}")
@@ -256,6 +278,9 @@ class LocalUpload(Upload):
 
     async def _token(self) -> str:
         self._shared = True
+        if self._small is not None:  # remote writers write beside it: into the temp with it
+            await self._backend._run(f"write part 0 of {self.key!r}", self._in_temp, lambda fd: None,
+                                     abandon_on_cancel=False)
         return make_token("file", self.key, self.part_bytes, temp=self._nonce)
 
     def _add_remote_part(self, index: int, length: int, receipt: str) -> None:
@@ -281,6 +306,7 @@ class LocalUpload(Upload):
             if self._shared:
                 fcntl.flock(fd, fcntl.LOCK_EX)  # waits for remote writes in flight
             try:
+                self._in_temp(lambda fd: None)  # a kept small part
                 os.ftruncate(fd, size)  # also drops the tail of a longer earlier last part
                 os.fsync(fd)
                 os.replace(self._tmp_path, self._path)

@@ -290,10 +290,17 @@ class SqliteMetaStore(SqlMetaStore):
         commit of this daemon can come between two statements, its writes
         run on this thread too (or, busy, after the read started waiting)."""
         with _operating_errors():
-            conn = self._inline
-            if conn is None:
-                conn = self._inline = self._open(busy_timeout_s=0)  # never block the trio thread on a lock
-                conn.execute("PRAGMA query_only = ON")
+            if self._limiter.borrowed_tokens == 0:
+                # The writer is idle (no thread has it): its page cache is
+                # current, where another connection's would be re-read from
+                # the OS after every commit.
+                conn = self._conn
+            else:
+                conn = self._inline
+                if conn is None:
+                    conn = self._inline = self._open(busy_timeout_s=0)  # never block the trio thread on a lock
+                    conn.execute("PRAGMA query_only = ON")
+            assert conn is not None
             cursor = conn.cursor()
             try:
                 return body(Tx(cursor, self._sql), *args)
