@@ -289,6 +289,29 @@ def test_power_cut_before_a_close_was_synced_brings_back_the_synced_version(s3m,
     assert_no_bug(m2.log())
 
 
+def test_power_cut_after_a_publish_whose_states_were_not_synced_reads_the_backend_version(s3m, tmp_path):
+    """The persisting state is not synced: a power cut after the upload of
+    v2 published its object but before any fsync brings back the row of v1
+    (durable) beside an object holding v2.  The import sees an object whose
+    etag is not the row's and takes it: the file reads v2, exactly, never a
+    mix of the two or an I/O error."""
+    m = s3m.mount()
+    v1, v2 = secrets.token_bytes(CHUNK + 9), secrets.token_bytes(CHUNK + 9)
+    put(m.path("f.bin"), v1)
+    assert aiturbo("wait", m.mountpoint, check=False, timeout=WAIT_S).returncode == 0
+    snapshot = str(tmp_path / "synced.db")
+    snapshot_db(m, snapshot)
+    put(m.path("f.bin"), v2)
+    assert aiturbo("wait", m.mountpoint, check=False, timeout=WAIT_S).returncode == 0
+    m.kill()
+    restore_db(m, snapshot)
+    m2 = remount(s3m, m)
+    time.sleep(IMPORT_SETTLE_S)
+    assert get(m2.path("f.bin")) == v2
+    assert state(m2.path("f.bin")) == "durable"
+    assert_no_bug(m2.log())
+
+
 # ------------------------------------------------------------------- BLAKE3 checks
 
 

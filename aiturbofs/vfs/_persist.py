@@ -773,7 +773,11 @@ class Persister:
         """Upload the committed version; False if another file must move first."""
         started = time.monotonic()
         if row.state != STATE_PERSISTING:
-            if not await self.meta.set_state(row.ino, STATE_PERSISTING, if_version=row.version):
+            # Not synced: the durable state's sync covers it.  A power cut
+            # before that leaves the backend object, if published, newer than
+            # the row; the import then takes it as changed outside the mount
+            # (its etag is not the row's), so the file reads as that version.
+            if not await self.meta.set_state(row.ino, STATE_PERSISTING, if_version=row.version, sync=False):
                 return True
             self.fs._notify_state(row.ino)
         if await self._held(paths, row.ino):
