@@ -218,6 +218,16 @@ def read_together(paths: list[str], want: list[str], timeout_s: float, what: str
     return [done[i][1] - t0 for i in range(len(paths))]
 
 
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """user+system CPU seconds of a process so far (exited threads included)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
