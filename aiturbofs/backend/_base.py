@@ -440,7 +440,8 @@ class Upload(ABC):
         ``BackendError`` and nothing changes.  Raises ``BackendError`` if the
         upload was aborted or the server refuses or disagrees on the size, and
         ``TransientBackendError``, after which it may be retried.  Returns the
-        published object's info.
+        published object's info (``mtime_ns`` may be 0, unknown: an S3
+        PutObject's answer has none, and a HEAD only for it costs a request).
         """
         if self._ops_in_flight:
             raise ValueError(f"complete({self.key!r}) while {self._ops_in_flight} part writes are in flight")
