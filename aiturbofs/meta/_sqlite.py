@@ -88,6 +88,22 @@ def _operating_errors() -> Iterator[None]:
         raise
 
 
+@contextlib.contextmanager
+def _committed(conn: sqlite3.Connection) -> Iterator[sqlite3.Cursor]:
+    """A cursor in the transaction just begun on ``conn``: COMMIT when the
+    block ends, ROLLBACK if it raises."""
+    cursor = conn.cursor()
+    try:
+        yield cursor
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    finally:
+        cursor.close()
+
+
 class _Queued:
     """One write transaction waiting for the group commit."""
 
@@ -342,8 +358,7 @@ class SqliteMetaStore(SqlMetaStore):
                         if inline and (getattr(exc, "sqlite_errorcode", 0) or 0) & 0xFF == sqlite3.SQLITE_BUSY:
                             return False
                         raise
-                    cursor = conn.cursor()
-                    try:
+                    with _committed(conn) as cursor:
                         for queued in group:
                             conn.execute("SAVEPOINT member")
                             result = outcome.capture(self._member, queued, Tx(cursor, self._sql))
@@ -351,13 +366,6 @@ class SqliteMetaStore(SqlMetaStore):
                                 conn.execute("ROLLBACK TO member")
                             conn.execute("RELEASE member")
                             results.append(result)
-                        conn.execute("COMMIT")
-                    except BaseException:
-                        if conn.in_transaction:
-                            conn.execute("ROLLBACK")
-                        raise
-                    finally:
-                        cursor.close()
                 finally:
                     if not inline:
                         conn.execute("PRAGMA busy_timeout = 0")
@@ -378,17 +386,8 @@ class SqliteMetaStore(SqlMetaStore):
         self, conn: sqlite3.Connection, body: Callable[..., Any], args: tuple, write: bool
     ) -> Any:
         conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
-        cursor = conn.cursor()
-        try:
-            result = body(Tx(cursor, self._sql), *args)
-            conn.execute("COMMIT")
-            return result
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
-        finally:
-            cursor.close()
+        with _committed(conn) as cursor:
+            return body(Tx(cursor, self._sql), *args)
 
 
 def from_url(url: str) -> SqliteMetaStore:
