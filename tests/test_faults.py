@@ -154,7 +154,11 @@ def test_outage_close_returns_then_everything_durable_with_bounded_retries(fault
     # The first file is mid-upload when S3 goes away: its multipart upload
     # exists and must be aborted (or completed) once S3 is back.
     first = {"inflight.bin": secrets.token_bytes(3 * CHUNK + 5)}
-    faulty.proxy.set(delay_s=(0.1, 0.2))
+    # Slow enough that the outage starts before the upload's complete: its
+    # parts go out together, and the complete (then the HEAD) comes one
+    # delay later.  At 0.1-0.2 s a loaded machine's poll below sometimes
+    # missed that window, and the upload was published with no abort to defer.
+    faulty.proxy.set(delay_s=(0.5, 0.8))
     write_timed(m.path("inflight.bin"), first["inflight.bin"])
     deadline = time.monotonic() + 10
     while not faulty.proxy.requests(method="PUT", outcome="forwarded") and time.monotonic() < deadline:
