@@ -1022,6 +1022,31 @@ class TestSQLite(MetaConformance):
         assert len(synced) == 64 and min(synced) >= 1
 
     @trio_test
+    async def test_durable_write_committing_in_a_thread_gets_an_fsync_after_its_commit(self, store, tmp_path, monkeypatch):
+        """A sync() while a durable write still waits (in a thread) for another
+        daemon's lock must not count that write as synced: it gets an fsync
+        that began after its commit."""
+        f = await store.create(ROOT_INO, b"f", file_row(state=STATE_STAGED))
+        fsyncs = []
+        real = store._fsync_wal
+
+        def counted():
+            fsyncs.append(len(fsyncs))
+            real()
+
+        monkeypatch.setattr(store, "_fsync_wal", counted)
+        other = sqlite3.connect(tmp_path / "meta.db", isolation_level=None, check_same_thread=False)
+        other.execute("BEGIN IMMEDIATE")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(store.set_state, f.ino, STATE_DURABLE)
+            await trio.sleep(0.2)  # it waits for the lock in a thread now
+            await store.sync()
+            other.execute("COMMIT")
+        other.close()
+        assert (await store.get_inode(f.ino)).state == STATE_DURABLE
+        assert len(fsyncs) == 2, fsyncs  # sync()'s, and one after the write's commit
+
+    @trio_test
     async def test_write_waits_in_a_thread_while_another_daemon_holds_the_lock(self, store, tmp_path):
         """A write finding the database locked by another connection does not
         block the trio thread: it waits in a thread, and commits once free."""

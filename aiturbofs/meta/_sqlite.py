@@ -136,7 +136,8 @@ class SqliteMetaStore(SqlMetaStore):
         self._inline: sqlite3.Connection | None = None  # the trio thread's reader (quick reads)
         self._queue: list[_Queued] = []  # write transactions for the next group
         self._leading = False  # a caller runs a group now (or is about to)
-        self._groups = 0  # groups committed so far (numbers them)
+        self._groups = 0  # groups begun so far (numbers them)
+        self._committed_groups = 0  # every group up to this one has committed (they commit in order)
         self._checkpointed = 0  # the group after which the last checkpoint ran
         self._synced_group = 0  # every group up to this one is on disk
         self._syncing: trio.Event | None = None  # set when the running fsync ends
@@ -189,11 +190,11 @@ class SqliteMetaStore(SqlMetaStore):
         """Reads on a reader connection; writes through the group commit.
 
         A ``quick`` read (a few rows by key) runs right here on the trio
-        thread, on a reader of its own that never waits for a lock: a
-        thread hop costs 0.3-1 ms on a busy 2-core machine, the read itself
-        about 0.1 ms (WAL pages are in memory).  Should it find the database
-        busy (another daemon recovering the WAL), it waits in a thread like
-        any other read.
+        thread (``_read_inline``), never waiting for a lock: a thread hop
+        costs 0.3-1 ms on a busy 2-core machine, the read itself about 0.1 ms
+        (WAL pages are in memory).  Should it find the database busy
+        (another daemon recovering the WAL), it waits in a thread like any
+        other read.
 
         Not cancellable once queued, like the base class: a write's caller
         waits (shielded) for the group that holds it, at most one group
@@ -240,6 +241,7 @@ class SqliteMetaStore(SqlMetaStore):
                 queued.group = self._groups
             if not self._commit_group(group, inline=True):
                 await trio.to_thread.run_sync(self._commit_group, group, False, limiter=self._limiter)
+            self._committed_groups = self._groups
             if self._groups - self._checkpointed >= META_SQLITE_CHECKPOINT_COMMITS:
                 self._checkpointed = self._groups
                 await trio.to_thread.run_sync(self._checkpoint, limiter=self._limiter)
@@ -256,16 +258,17 @@ class SqliteMetaStore(SqlMetaStore):
     async def _synced(self, group: int) -> None:
         """Return once group number ``group`` is on disk.
 
-        One fsync of the WAL covers every group committed before it began,
-        so durable callers that arrive while one runs share the next; the
-        fsync runs in a thread and holds no lock: writers go on meanwhile.
+        One fsync of the WAL covers every group committed before it began
+        (not one still committing in a thread), so durable callers that
+        arrive while one runs share the next; the fsync runs in a thread and
+        holds no lock: writers go on meanwhile.
         """
         while self._synced_group < group:
             running = self._syncing
             if running is not None:
                 await running.wait()
                 continue
-            target = self._groups
+            target = self._committed_groups
             self._syncing = done = trio.Event()
             try:
                 await trio.to_thread.run_sync(self._fsync_wal)
@@ -298,7 +301,7 @@ class SqliteMetaStore(SqlMetaStore):
 
     async def sync(self) -> None:
         with trio.CancelScope(shield=True):
-            await self._synced(self._groups)
+            await self._synced(self._committed_groups)
 
     def _read_inline(self, body: Callable[..., Any], args: tuple) -> Any:
         """Run a quick read body in autocommit mode: each statement sees the
