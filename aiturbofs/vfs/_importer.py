@@ -94,13 +94,9 @@ class Importer:
         while stack:
             current = stack.pop()
             await self.refresh(current)
-            offset = 0
-            while True:
-                batch = await self.fs.meta.readdir(current, offset, IMPORT_READDIR_BATCH_ENTRIES)
-                if not batch:
-                    break
-                offset = batch[-1][2]  # readdir's cookie of the last entry: where the next batch starts
-                stack.extend(row.ino for _, row, _ in batch if stat.S_ISDIR(row.mode))
+            async for _, row in self.fs.meta.children(current, IMPORT_READDIR_BATCH_ENTRIES):
+                if stat.S_ISDIR(row.mode):
+                    stack.append(row.ino)
 
     async def refresh(self, ino: int, row: InodeRow | None = None) -> None:
         """Import ``ino``'s backend listing if it is a directory older than the TTL.
@@ -181,15 +177,7 @@ class Importer:
         # The namespace is read BEFORE the backend is listed: a file that
         # becomes durable while the listing runs must not look like a durable
         # file whose object vanished (it was removed from the namespace).
-        existing = {}
-        offset = 0
-        while True:
-            batch = await meta.readdir(dir_row.ino, offset, IMPORT_READDIR_BATCH_ENTRIES)
-            if not batch:
-                break
-            for name, row, _ in batch:
-                existing[name] = row
-            offset = batch[-1][2]  # readdir's cookie of the last entry: where the next batch starts
+        existing = {name: row async for name, row in meta.children(dir_row.ino, IMPORT_READDIR_BATCH_ENTRIES)}
         try:
             infos = await self.fs.backend.list_dir(prefix)
         except BackendUnreachable as exc:
