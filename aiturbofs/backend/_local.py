@@ -243,12 +243,16 @@ class LocalUpload(Upload):
             abandon_on_cancel=False,
         )
 
-    def _in_temp(self, fn, *args):
-        """``fn(fd, *args)`` once a kept small part is in the temp file (blocking)."""
+    def _write_kept(self) -> None:
+        """Write a kept small part into the temp file (blocking)."""
         small, self._small = self._small, None
         assert self._fd is not None  # closed only once published, or by abort (which ends the upload)
         if small is not None:
             pwrite_sparse(self._fd, small, 0)
+
+    def _in_temp(self, fn, *args):
+        """``fn(fd, *args)`` once a kept small part is in the temp file (blocking)."""
+        self._write_kept()
         return fn(self._fd, *args)
 
     async def _zero_part(self, index: int, length: int) -> tuple[int, int]:
@@ -279,8 +283,7 @@ class LocalUpload(Upload):
     async def _token(self) -> str:
         self._shared = True
         if self._small is not None:  # remote writers write beside it: into the temp with it
-            await self._backend._run(f"write part 0 of {self.key!r}", self._in_temp, lambda fd: None,
-                                     abandon_on_cancel=False)
+            await self._backend._run(f"write part 0 of {self.key!r}", self._write_kept, abandon_on_cancel=False)
         return make_token("file", self.key, self.part_bytes, temp=self._nonce)
 
     def _add_remote_part(self, index: int, length: int, receipt: str) -> None:
@@ -306,7 +309,7 @@ class LocalUpload(Upload):
             if self._shared:
                 fcntl.flock(fd, fcntl.LOCK_EX)  # waits for remote writes in flight
             try:
-                self._in_temp(lambda fd: None)  # a kept small part
+                self._write_kept()
                 os.ftruncate(fd, size)  # also drops the tail of a longer earlier last part
                 os.fsync(fd)
                 os.replace(self._tmp_path, self._path)

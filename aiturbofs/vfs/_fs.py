@@ -924,8 +924,8 @@ class Filesystem:
 
         ``sync`` (fsync): the commit is on disk when this returns.  Without
         it (close) a host crash may lose the commit, as it loses the DRAM
-        bytes; the persister syncs it before the upload begins (README, "What
-        a crash can lose").
+        bytes; the sync of the file's durable state covers it (docs/design.md,
+        "What needs an fsync of the metadata").
         """
         content = node.file
         while content.dirty:
