@@ -48,18 +48,8 @@ QUEUE_TIMEOUT_S = 300.0
 TARGET_RATIO = 10.0
 
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    """user+system CPU seconds of a process (exited threads included)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
 def write_file(path: str, size: int, buf: mmap.mmap, pids: dict[str, int]) -> dict:
-    cpu0 = {k: cpu_s(p) for k, p in pids.items()}
+    cpu0 = {k: h.cpu_seconds(p) for k, p in pids.items()}
     t_open = time.monotonic()
     f = open(path, "wb", buffering=0)  # O_WRONLY|O_CREAT|O_TRUNC, every write a syscall
     try:
@@ -77,7 +67,7 @@ def write_file(path: str, size: int, buf: mmap.mmap, pids: dict[str, int]) -> di
     state_at_close = h.aiturbo_state(path)
     h.wait_durable([path], DURABLE_TIMEOUT_S)
     t3 = time.monotonic()
-    cpu = {f"{k}_cpu_s": cpu_s(p) - cpu0[k] for k, p in pids.items()}
+    cpu = {f"{k}_cpu_s": h.cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
     return {**cpu, "write_s": t1 - t0, "close_s": t2 - t1, "durable_after_close_s": t3 - t2, "open_to_durable_s": t3 - t_open,
             "state_at_close": state_at_close, "write_mib_s": size / MiB / (t1 - t0)}
 
