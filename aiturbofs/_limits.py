@@ -49,8 +49,8 @@ FILE_SIZE_BYTES_MAX = 16 * TiB  # like ext4 with 4 KiB blocks
 POOL_DEFAULT_RAM_FRACTION = 0.25  # default -o dram: a quarter of total RAM
 POOL_BYTES_MIN = 2 * CHUNK_BYTES  # below this no file could make progress
 FREE_BUFFERS_KEPT_MAX = 64  # recycled full-size buffers kept warm (first-touch is slow)
-WARM_BUFFERS_TARGET = 8  # full-size buffers kept faulted in ahead of writers
 SPILL_WAIT_S = 2.0  # without -o spill, wait this long for persist before spilling
+BACKING_FDS_OPEN_MAX = 256  # backing files kept open (the others are reopened by path)
 SPILL_IN_FLIGHT_MAX = 2  # chunk writes to the spill dir at once
 
 # --- persist --------------------------------------------------------------------

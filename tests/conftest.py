@@ -4,6 +4,8 @@ import shutil
 import pytest
 from mounting import Mount
 
+from aiturbofs.node._paths import default_staging_dir
+
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 
@@ -12,6 +14,19 @@ def pytest_configure(config):
     missing = [tool for tool in ("fusermount3",) if shutil.which(tool) is None]
     if missing or not os.path.exists("/dev/fuse"):
         raise pytest.UsageError(f"FUSE is needed for the tests: missing {missing or '/dev/fuse'} (apt-get install fuse3)")
+
+
+STAGING_ROOT = os.path.dirname(default_staging_dir("/"))
+
+
+@pytest.fixture(autouse=True)
+def _remove_staging_dirs():
+    """Remove the staging dirs (on the DRAM tmpfs) that the test's mounts left: a crash test leaves its own."""
+    before = set(os.listdir(STAGING_ROOT)) if os.path.isdir(STAGING_ROOT) else set()
+    yield
+    if os.path.isdir(STAGING_ROOT):
+        for name in set(os.listdir(STAGING_ROOT)) - before:
+            shutil.rmtree(os.path.join(STAGING_ROOT, name), ignore_errors=True)
 
 
 @pytest.fixture

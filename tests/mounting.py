@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+from aiturbofs.node._paths import default_staging_dir
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -28,6 +30,8 @@ class Mount:
         self.options = {"state_dir": state_dir, "import_ttl": "0.5", **(options or {})}
         self.env = env
         self.proc: subprocess.Popen | None = None
+        # the daemon's default: a dir on the DRAM tmpfs named after the state dir
+        self.staging_dir = self.options.get("staging") or default_staging_dir(state_dir)
         self.log_path = os.path.join(os.path.dirname(state_dir.rstrip("/")), os.path.basename(state_dir.rstrip("/")) + ".log")
 
     def option_string(self) -> str:

@@ -16,7 +16,7 @@ import trio
 
 from aiturbofs.backend import open_backend
 from aiturbofs.meta import ROOT_INO, STATE_DURABLE, open_meta
-from aiturbofs.staging import SpillStore, StagingPool
+from aiturbofs.staging import BackingArea, SpillStore, StagingPool
 from aiturbofs.vfs import Filesystem, VfsOptions
 
 MiB = 1 << 20
@@ -31,7 +31,7 @@ async def filesystem(tmp_path, *, dram: int = 64 * MiB):
     os.makedirs(tmp_path / "backend", exist_ok=True)
     backend = await open_backend(f"file://{tmp_path}/backend", {})
     pool = StagingPool(dram, SpillStore(str(tmp_path / "spill")), eager_spill=False)
-    fs = Filesystem(meta, backend, pool, VfsOptions(owner_uid=UID, owner_gid=GID))
+    fs = Filesystem(meta, backend, pool, VfsOptions(owner_uid=UID, owner_gid=GID), staging=BackingArea(str(tmp_path / "staging")))
     try:
         async with trio.open_nursery() as nursery:
             await fs.start(nursery)

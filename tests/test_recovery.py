@@ -1,7 +1,9 @@
 """Crashes, lost DRAM, corrupted chunks and objects made by other tools.
 
-A kill -9 with a spill dir loses nothing staged; without one, what was only
-in DRAM is reported ``broken`` and never served with other bytes; a chunk
+A kill -9 loses nothing closed: the backing files on the DRAM tmpfs outlive
+the daemon (and a spill dir keeps what was spilled).  A host reboot empties
+the tmpfs: what was only there is reported ``broken`` and never served with
+other bytes; a chunk
 corrupted on the spill disk or in the backend is caught by its BLAKE3 hash;
 objects written by other tools show up in the mount and their changes are
 seen after the import TTL.
@@ -142,7 +144,7 @@ def test_drain_timeout_keeps_spilled_data_for_next_mount(s3m, tmp_path):
     put(m.path("late.bin"), data)
     wait_until(lambda: status(m)["pool"]["spilled_bytes"] >= len(data), what="spilled")
     assert m.stop() == 1  # unmount: the drain gives up after 1 s
-    assert "stay in the spill dir" in m.log()
+    assert "stay in the staging and spill dirs" in m.log()
     s3m.server.start()
     m2 = remount(s3m, m, spill=spill)
     assert wait_state(m2.path("late.bin"), "durable", WAIT_S) == "durable"
@@ -165,18 +167,49 @@ def test_status_of_all_daemons_skips_sockets_of_killed_ones(make_mount):
 # ---------------------------------------------------------------- kill -9, no spill
 
 
-def test_kill9_without_spill_reports_broken_never_other_bytes(s3m):
-    m = s3m.mount(**NO_REIMPORT)
+def write_while_frozen(s3m, m) -> tuple[bytes, bytes, dict[str, bytes], bytes]:
+    """Durable keep.bin and over.bin v1; then, with S3 frozen, lost1/lost2 and over.bin v2 only staged."""
     keep, v1 = secrets.token_bytes(CHUNK + 1), secrets.token_bytes(CHUNK)
     put(m.path("keep.bin"), keep)
     put(m.path("over.bin"), v1)
     assert aiturbo("wait", m.mountpoint, check=False).returncode == 0
     s3m.server.freeze()
-    lost = {"lost1.bin": secrets.token_bytes(2 * CHUNK), "lost2.bin": b"tiny"}
-    for name, data in lost.items():
+    staged = {"lost1.bin": secrets.token_bytes(2 * CHUNK), "lost2.bin": b"tiny"}
+    for name, data in staged.items():
         put(m.path(name), data)
-    put(m.path("over.bin"), secrets.token_bytes(CHUNK))  # v2 only ever in DRAM
+    v2 = secrets.token_bytes(CHUNK)
+    put(m.path("over.bin"), v2)  # v2 only ever staged
+    return keep, v1, staged, v2
+
+
+def test_kill9_without_spill_loses_nothing_closed(s3m):
+    """The backing files outlive the daemon: a restart persists every closed file, exact."""
+    m = s3m.mount(**NO_REIMPORT)
+    keep, _v1, staged, v2 = write_while_frozen(s3m, m)
     m.kill()
+    assert os.listdir(m.staging_dir)  # the staged bytes are still on the tmpfs
+    s3m.server.thaw()
+    m2 = remount(s3m, m)
+    r = aiturbo("wait", m2.mountpoint, check=False, timeout=WAIT_S)
+    assert r.returncode == 0, r.stderr
+    for name, data in {**staged, "over.bin": v2, "keep.bin": keep}.items():
+        assert state(m2.path(name)) == "durable"
+        assert get(m2.path(name)) == data
+    objects = s3m.objects()
+    assert objects["over.bin"] == v2 and objects["lost1.bin"] == staged["lost1.bin"]
+    log = m2.log()
+    assert "broken" not in log and "recovered ino=" in log
+    assert_no_bug(log)
+    assert m2.stop() == 0
+    assert not os.path.exists(m.staging_dir)  # all durable: the clean exit gave the DRAM back
+
+
+def test_host_reboot_without_spill_reports_broken_never_other_bytes(s3m):
+    """A reboot empties the tmpfs: what was only staged there is broken, never served as other bytes."""
+    m = s3m.mount(**NO_REIMPORT)
+    keep, v1, lost, _v2 = write_while_frozen(s3m, m)
+    m.kill()
+    shutil.rmtree(m.staging_dir)  # what a reboot does to /dev/shm
     s3m.server.thaw()
     m2 = remount(s3m, m)
     for name in lost:
@@ -194,7 +227,7 @@ def test_kill9_without_spill_reports_broken_never_other_bytes(s3m):
     objects = s3m.objects()
     assert sorted(objects) == ["keep.bin", "over.bin"] and objects["over.bin"] == v1  # no partial upload published
     log = m2.log()
-    assert "broken path=lost1.bin reason=" in log and "only in DRAM" in log
+    assert "broken path=lost1.bin reason=" in log and "not in its backing file" in log
     assert_no_bug(log)
 
 
@@ -221,6 +254,12 @@ def snapshot_db(m, dest: str) -> None:
         dst.close()
 
 
+def power_cut(m) -> None:
+    """The host goes down: the daemon dies and the DRAM tmpfs with it."""
+    m.kill()
+    shutil.rmtree(m.staging_dir, ignore_errors=True)
+
+
 def restore_db(m, snapshot: str) -> None:
     """The daemon is dead: its database becomes ``snapshot`` (no WAL beside it)."""
     for suffix in ("-wal", "-shm"):
@@ -241,7 +280,7 @@ def test_power_cut_after_the_upload_finds_the_bytes_in_the_backend(s3m):
     for name, data in files.items():
         put(m.path(name), data)
     assert aiturbo("wait", m.mountpoint, check=False, timeout=WAIT_S).returncode == 0
-    m.kill()
+    power_cut(m)
     db = sqlite3.connect(meta_db(m), isolation_level=None)
     try:
         changed = db.execute(
@@ -278,7 +317,7 @@ def test_power_cut_before_a_close_was_synced_brings_back_the_synced_version(s3m,
     s3m.server.freeze()  # nothing after this reaches the backend
     put(m.path("f.bin"), secrets.token_bytes(CHUNK + 7))
     put(m.path("new.bin"), b"made after the last fsync")
-    m.kill()
+    power_cut(m)
     restore_db(m, snapshot)
     s3m.server.thaw()
     m2 = remount(s3m, m, **NO_REIMPORT)
@@ -303,7 +342,7 @@ def test_power_cut_after_a_publish_whose_states_were_not_synced_reads_the_backen
     snapshot_db(m, snapshot)
     put(m.path("f.bin"), v2)
     assert aiturbo("wait", m.mountpoint, check=False, timeout=WAIT_S).returncode == 0
-    m.kill()
+    power_cut(m)
     restore_db(m, snapshot)
     m2 = remount(s3m, m)
     time.sleep(IMPORT_SETTLE_S)

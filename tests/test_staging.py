@@ -8,7 +8,7 @@ import trio
 from aiturbofs import chunk
 from aiturbofs._errors import IntegrityError
 from aiturbofs._limits import CHUNK_BYTES
-from aiturbofs.staging import SpillStore, StagingPool
+from aiturbofs.staging import BackingArea, SpillStore, StagingPool
 
 
 def run(fn, *args):
@@ -184,5 +184,124 @@ def test_recovered_chunk_adopted_again_has_the_writers_length(tmp_path):
         pool.adopt(key, buf, CHUNK_BYTES)
         view = pool.view(key)
         assert view is not None and len(view) == CHUNK_BYTES and view == data
+
+    run(main)
+
+
+async def _full_pool(tmp_path) -> StagingPool:
+    """A pool whose whole budget is pinned chunks: nothing fetched can be cached."""
+    pool = StagingPool(2 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+    await _sealed(pool, 1)
+    await _sealed(pool, 2)
+    return pool
+
+
+def test_eight_misses_under_a_full_pool_make_one_fetch(tmp_path):
+    # The fetched chunk cannot be cached (the pool is full of dirty data):
+    # the waiters used to find nothing in the pool and fetch again, one
+    # after another (8 fetches in series).  They now get the one result.
+    async def main():
+        pool = await _full_pool(tmp_path)
+        key, data = _chunk(9)
+        calls = []
+
+        async def fetch():
+            calls.append(1)
+            await trio.sleep(0.05)
+            return bytes(data)
+
+        results = []
+
+        async def reader():
+            results.append(bytes((await pool.read(key, fetch))[:4]))
+
+        async with trio.open_nursery() as n:
+            for _ in range(8):
+                n.start_soon(reader)
+        assert pool.view(key) is None  # really not cached
+        assert len(calls) == 1 and results == [bytes([9]) * 4] * 8
+
+    run(main)
+
+
+def test_one_failed_fetch_reaches_all_eight_waiters(tmp_path):
+    async def main():
+        pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+        key, _data = _chunk(3)
+        calls = []
+
+        async def fetch():
+            calls.append(1)
+            await trio.sleep(0.05)
+            raise IntegrityError("the backend's copy does not hash to its key")
+
+        errors = []
+
+        async def reader():
+            try:
+                await pool.read(key, fetch)
+            except IntegrityError as exc:
+                errors.append(str(exc))
+
+        async with trio.open_nursery() as n:
+            for _ in range(8):
+                n.start_soon(reader)
+        assert len(calls) == 1 and len(errors) == 8 and "does not hash" in errors[0]
+
+    run(main)
+
+
+def test_a_lease_kept_across_memory_pressure_keeps_its_bytes(tmp_path):
+    # A chunk cached in a file's backing range is leased (mapped, no copy)
+    # by a reader when a writer needs room: the chunk is not evicted (its
+    # range not punched) until the lease ends, so the reader's bytes never
+    # change; then the writer gets the room and the range is freed.
+    async def main():
+        area = BackingArea(str(tmp_path / "staging"))
+        pool = StagingPool(2 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+        key, data = _chunk(6)
+        rng = area.file(7).range(0)
+
+        async def fetch():
+            return bytes(data)
+
+        assert bytes(await pool.read(key, fetch, into=rng, count=4)) == bytes([6]) * 4
+        assert rng.entry is not None and pool.stats().clean_bytes == CHUNK_BYTES
+        got = []
+        async with trio.open_nursery() as n:
+            async with pool.lease(key, fetch) as view:
+                assert await pool.reserve(CHUNK_BYTES, wait=False)  # the free chunk of the budget
+
+                async def writer():
+                    await pool.reserve(CHUNK_BYTES)  # needs the leased chunk's room
+                    got.append("room")
+
+                n.start_soon(writer)
+                await trio.sleep(0.2)
+                assert not got and pool.has(key)  # not evicted under the lease
+                assert bytes(view) == bytes(data)
+        assert got == ["room"] and not pool.has(key) and rng.entry is None
+        assert rng.pread(0, CHUNK_BYTES) == bytes(CHUNK_BYTES)  # punched: its memory is back
+
+    run(main)
+
+
+def test_a_range_written_again_keeps_the_pinned_version_elsewhere(tmp_path):
+    # A sealed chunk in its file's range is pinned (its version is not yet
+    # durable) when the file writes there again: take_range moves the
+    # chunk's bytes into a buffer of its own before the range changes.
+    async def main():
+        area = BackingArea(str(tmp_path / "staging"))
+        pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+        key, data = _chunk(8)
+        rng = area.file(9).range(1)
+        assert await pool.reserve(CHUNK_BYTES)
+        rng.pwrite(0, data)
+        pool.adopt_range(key, rng, CHUNK_BYTES, CHUNK_BYTES)
+        charge, kept, length = await pool.take_range(rng)
+        assert (charge, kept, length) == (CHUNK_BYTES, key, CHUNK_BYTES) and rng.entry is None
+        rng.pwrite(0, bytes([1]) * CHUNK_BYTES)
+        assert pool.pinned(key) and bytes(pool.view(key)) == bytes(data)
+        assert pool.used_bytes == 2 * CHUNK_BYTES  # the range (now the writer's) and the copy
 
     run(main)

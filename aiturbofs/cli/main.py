@@ -133,6 +133,9 @@ def _print_status(s: dict, clusters_shown: set) -> None:
           f"dirty {_human(pool['dirty_bytes'])}, clean {_human(pool['clean_bytes'])}, "
           f"open {_human(pool['open_bytes'])}, spilled {_human(pool['spilled_bytes'])}"
           + (f", {pool['waiting_writers']} writer(s) waiting" if pool["waiting_writers"] else ""))
+    staging = s.get("staging")
+    if staging:
+        print(f"  staging  {staging['dir']}: {_human(staging['allocated_bytes'])} in backing files (DRAM if a tmpfs)")
     print(f"  persist  queue {p['queue']}, durable {p['files_durable']}, broken {p['files_broken']}, "
           f"uploaded {_human(p['bytes_uploaded'])}, retries {p['retries']}"
           + (f", copied server-side {_human(p['bytes_copied'])}" if p.get("bytes_copied") else ""))

@@ -283,7 +283,7 @@ class ClusterNode:
             # it if need be).  Only nodes downstream wait, and they only ever ask
             # upstream, so no two nodes wait on each other; anyone else (a chain
             # head looking in holders' DRAM) is answered at once.
-            view = await self.pool.read(key, lambda: self.fs.persister.fetch_chunk(link.ino, link.index, key, link.length))
+            view = await self.pool.read(key, lambda: self.fs.fetcher.chunk(link.ino, link.index, key, link.length))
             self.stats["chunks_served"] += 1
             return bytes(view)
         return None
@@ -488,7 +488,7 @@ class ClusterNode:
         keys = chunk.unpack_manifest(request.manifest)[: chunk.chunk_count(request.size)]
         mine: list[tuple[bytes, int, int]] = []
         try:
-            have = [i for i, k in enumerate(keys) if k != chunk.HOLE and (self.pool.view(k) is not None or k in self.pool.spill)]
+            have = [i for i, k in enumerate(keys) if k != chunk.HOLE and (self.pool.has(k) or k in self.pool.spill)]
             body = self._body("read_report", request, keys, have=have)
             reply = await self._ask(body, request.path, CLUSTER_READ_PLAN_WAIT_S)
             if reply is not None:
@@ -527,10 +527,10 @@ class ClusterNode:
 
     async def _prefetch(self, ino: int, key: bytes, index: int, length: int, limiter) -> None:
         try:
-            if self.pool.view(key) is None:
+            if not self.pool.has(key):
                 fs = self.fs
                 assert fs is not None  # grouped reads come from the Filesystem: it is set
-                await self.pool.read(key, lambda: fs.persister.fetch_chunk(ino, index, key, length))
+                await self.pool.read(key, lambda: fs.fetcher.chunk(ino, index, key, length))
                 self.stats["chunks_prefetched"] += 1
         except AiturboError as exc:
             log.info("prefetch of chunk %d of inode %d failed (%s); the reader fetches it itself", index, ino, exc)

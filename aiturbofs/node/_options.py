@@ -38,6 +38,8 @@ IGNORED = {
 OPTIONS = {
     "dram": ("size", "DRAM staging pool budget, e.g. 64G (default: a quarter of RAM)"),
     "spill": ("path", "local disk dir: staged chunks are copied there in the background (crash-safe) and dropped from DRAM under pressure"),
+    "staging": ("path", "dir of the backing files that hold staged and cached bytes; a tmpfs keeps them in DRAM "
+                        "and across a daemon crash (default /dev/shm/aiturbofs/<id of the state dir>)"),
     "state_dir": ("path", "local state (SQLite metadata, default spill, log); default /var/lib/aiturbo/<mount id>"),
     "fsync": ("choice:staged|durable", "what fsync waits for: staged (DRAM, default) or durable (backend)"),
     "sync_close": ("flag", "close() waits until the file is durable (write-through)"),
@@ -94,6 +96,7 @@ class NodeConfig:
     foreground: bool = False
     dram_bytes: int = 0
     spill: str | None = None
+    staging: str | None = None
     state_dir: str | None = None
     fsync_durable: bool = False
     sync_close: bool = False
@@ -206,6 +209,7 @@ def build_config(backend: str, mountpoint: str, options: dict, *, foreground: bo
         raise ConfigError(f"dram={cfg.dram_bytes} is below the minimum of {POOL_BYTES_MIN} bytes (two chunks)")
     cfg.spill = options.get("spill")
     cfg.state_dir = options.get("state_dir")
+    cfg.staging = options.get("staging")
     cfg.fsync_durable = options.get("fsync") == "durable"
     cfg.sync_close = options.get("sync_close", False)
     cfg.drain_timeout_s = options.get("drain_timeout", DRAIN_TIMEOUT_S_DEFAULT)

@@ -36,12 +36,12 @@ from .._nursery import open_nursery
 from ..controller import EmbeddedController
 from ..fabric import load_secret, open_transport, parse_address
 from ..fuse import Operations
-from ..staging import SpillStore, StagingPool
+from ..staging import BackingArea, SpillStore, StagingPool
 from ..vfs import Filesystem, VfsOptions
 from . import _control, _metrics
 from ._cluster import ClusterNode
 from ._options import NodeConfig
-from ._paths import control_socket, default_state_dir
+from ._paths import control_socket, default_staging_dir, default_state_dir
 
 log = logging.getLogger("aiturbofs.node")
 
@@ -178,14 +178,28 @@ async def _main(cfg: NodeConfig, state_dir: str, ready: ReadyPipe) -> int:
     backend = await backend_mod.open_backend(cfg.backend, dict(cfg.backend_options), check=False)
     spill = SpillStore(cfg.spill or os.path.join(state_dir, "spill"))
     pool = StagingPool(cfg.dram_bytes, spill, eager_spill=cfg.spill is not None)
+    staging = BackingArea(cfg.staging or default_staging_dir(state_dir))
+    _check_staging_room(staging.directory, cfg.dram_bytes)
     cluster = _cluster_node(cfg, meta, pool)
-    if cluster is None:
-        return await _serve(cfg, state_dir, ready, meta, backend, pool, spill, None)
-    async with cluster.transport:
-        return await _serve(cfg, state_dir, ready, meta, backend, pool, spill, cluster)
+    try:
+        if cluster is None:
+            return await _serve(cfg, state_dir, ready, meta, backend, pool, spill, staging, None)
+        async with cluster.transport:
+            return await _serve(cfg, state_dir, ready, meta, backend, pool, spill, staging, cluster)
+    finally:
+        staging.close()
 
 
-async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backend, pool, spill, cluster) -> int:
+def _check_staging_room(directory: str, dram_bytes: int) -> None:
+    """Warn if the staging dir's filesystem is smaller than the budget: writes past it would get ENOSPC."""
+    st = os.statvfs(directory)
+    room = st.f_blocks * st.f_frsize
+    if room < dram_bytes:
+        log.warning("staging dir %s holds %d MiB, less than dram=%d MiB: writes may get ENOSPC before the pool is full",
+                    directory, room >> 20, dram_bytes >> 20)
+
+
+async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backend, pool, spill, staging, cluster) -> int:
     controller = EmbeddedController()
     vopts = VfsOptions(
         fsync_durable=cfg.fsync_durable, sync_close=cfg.sync_close, import_ttl_s=cfg.import_ttl_s,
@@ -193,7 +207,7 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
         full_backend_wait_s=cfg.full_backend_wait_s,
         owner_uid=os.getuid(), owner_gid=os.getgid(),
     )
-    fs = Filesystem(meta, backend, pool, vopts, reporter=controller.report_close, cluster=cluster)
+    fs = Filesystem(meta, backend, pool, vopts, staging=staging, reporter=controller.report_close, cluster=cluster)
     ops = Operations(fs, debug_faults=cfg.debug_faults)
     started = time.time()
     exit_code = 0
@@ -203,7 +217,6 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
             await nursery.start(cluster.run, cfg.fabric)
         await fs.start(nursery)
         nursery.start_soon(pool.run_spiller)
-        nursery.start_soon(pool.run_warmer)
         # The control socket is up before the mount appears: whoever sees the
         # mount (a test, a health check) can ask the daemon at once.
         metrics_url = await _start_metrics(nursery, cfg, fs, pool, cluster, controller)
@@ -219,8 +232,8 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
         session = _Session(nursery)
         nursery.start_soon(_watch_signals, session)
         nursery.start_soon(_watch_unmount, cfg.mountpoint, session)
-        log.info("mounted %s at %s (pool %d MiB, spill %s, state %s, metrics %s)", cfg.backend, cfg.mountpoint,
-                 cfg.dram_bytes >> 20, spill.directory, state_dir, metrics_url or "off")
+        log.info("mounted %s at %s (pool %d MiB, staging %s, spill %s, state %s, metrics %s)", cfg.backend, cfg.mountpoint,
+                 cfg.dram_bytes >> 20, staging.directory, spill.directory, state_dir, metrics_url or "off")
         ready.send("OK")
         try:
             with session.scope:
@@ -234,10 +247,11 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
         if left:
             names = [await _describe(meta, ino) for ino in left[:20]]
             log.error("drain timed out: %d file(s) not durable: %s%s", len(left), ", ".join(names),
-                      " (their staged chunks stay in the spill dir)" if cfg.spill else " (staged data lost; marked broken at next mount)")
+                      " (their staged chunks stay in the staging and spill dirs for the next mount)")
             exit_code = 1
         else:
             log.info("drain complete: every file is durable")
+            staging.remove_all()  # nothing staged is left: what the backing files cached goes back to DRAM
         nursery.cancel_scope.cancel()
     await meta.close()
     await backend.aclose()
@@ -367,11 +381,12 @@ class _Dispatcher:
             "uptime_s": round(time.time() - self.started, 1),
             "metrics": self.metrics_url,
             "pool": vars(self.pool.stats()),
+            "staging": {"dir": self.fs.staging.directory, "allocated_bytes": self.fs.staging.bytes_allocated()},
             "persist": {
                 "queue": p.queue_length(), "queued": queued, "bytes_uploaded": p.bytes_uploaded,
-                "bytes_fetched": p.bytes_fetched, "bytes_copied": p.bytes_copied,
+                "bytes_fetched": self.fs.fetcher.bytes_fetched, "bytes_copied": p.bytes_copied,
                 "bytes_uploaded_for_peers": p.bytes_uploaded_for_peers, "files_durable": p.files_durable,
-                "files_broken": p.files_broken, "retries": p.retries, "read_retries": p.read_retries,
+                "files_broken": p.files_broken, "retries": p.retries, "read_retries": self.fs.fetcher.read_retries,
                 "backend_full_s": p.backend_full_s(),
             },
             "groups": self.controller.summary(),

@@ -1,5 +1,9 @@
-"""DRAM staging pool and its spill tier (see ``_pool`` for the contract)."""
+"""Staging: backing files, the chunk pool over them, and the spill tier (see ``_pool``)."""
 
+from ._backing import BackingArea as BackingArea
+from ._backing import BackingFile as BackingFile
+from ._backing import Range as Range
+from ._backing import content_key_of as content_key_of
 from ._pool import Entry as Entry
 from ._pool import PoolStats as PoolStats
 from ._pool import StagingPool as StagingPool

@@ -1,15 +1,19 @@
-"""The DRAM staging pool: a content-addressed chunk store under a byte budget.
+"""The staging pool: a content-addressed chunk store under a byte budget.
 
-The pool owns every large buffer of the daemon:
+The pool accounts for every byte of staged or cached data on the node:
 
-* *open* buffers, handed out by ``alloc`` to writers filling a chunk;
-* *entries*, sealed chunks keyed by their BLAKE3 digest.  An entry is
-  **pinned** while some not-yet-durable file references it (dirty data: it may
-  be spilled to disk but never dropped) and **clean** otherwise (an LRU read
-  cache, evicted first under pressure).  Identical chunks of different files
-  share one entry, which is dedup inside one node;
-* recycled full-size buffers kept warm, because first-touch page faults halve
-  write throughput on these machines.
+* *ranges* of backing files (``_backing``) that writers fill: ``reserve``
+  counts them before the first byte lands;
+* *entries*, sealed chunks keyed by their BLAKE3 digest, whose bytes live in
+  a backing file's range (a file written or read here) or in a buffer of
+  their own (a replica from a peer, a chunk cached for another node, the
+  old bytes of a range its file wrote again).  An entry is **pinned** while
+  some not-yet-durable file references it (dirty data: it may be spilled to
+  disk but never dropped) and **clean** otherwise (an LRU read cache,
+  evicted first under pressure: a range is hole-punched, a buffer
+  recycled).  Identical chunks of different files share one entry, which is
+  dedup inside one node;
+* a few recycled full-size buffers.
 
 All of them count against ``budget_bytes``.  When a writer needs memory and
 the budget is spent, the pool evicts clean entries, then spills pinned ones
@@ -24,15 +28,15 @@ coroutine for chunks it does not hold.  It runs on the trio thread only.
 import collections
 import logging
 from collections.abc import Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Literal, overload
 
 import trio
 
 from .._errors import NoSpace
-from .._limits import CHUNK_BYTES, FREE_BUFFERS_KEPT_MAX, SPILL_WAIT_S, WARM_BUFFERS_TARGET
-from .._threads import background
+from .._limits import CHUNK_BYTES, FREE_BUFFERS_KEPT_MAX, SPILL_WAIT_S
+from ._backing import Range
 from ._spill import SpillStore
 
 log = logging.getLogger(__name__)
@@ -41,17 +45,31 @@ Fetch = Callable[[], Awaitable[bytes]]
 
 
 class Entry:
-    """One sealed chunk: ``buf[:length]`` holds the bytes while in memory."""
+    """One sealed chunk, in memory as ``buf[:length]`` or as a backing file's range ``rng``."""
 
-    __slots__ = ("key", "buf", "length", "pins", "leases", "spilled")
+    __slots__ = ("key", "buf", "rng", "length", "charge", "pins", "leases", "spilled")
 
     def __init__(self, key: bytes, buf: bytearray | None, length: int):
         self.key = key
         self.buf = buf
+        self.rng: Range | None = None  # the chunk's range of a file's backing file
         self.length = length
+        self.charge = len(buf) if buf is not None else 0  # budget bytes its memory counts for
         self.pins = 0  # not-yet-durable references: the bytes must not be lost
         self.leases = 0  # readers working outside the trio thread: do not recycle
         self.spilled = False  # a verified copy is in the spill store
+
+    @property
+    def resident(self) -> bool:
+        return self.buf is not None or self.rng is not None
+
+    def bytes(self, start: int = 0, count: int | None = None):
+        """``count`` bytes from ``start`` (all with None): a view of ``buf`` or a copy of the range."""
+        stop = self.length if count is None else min(self.length, start + count)
+        if self.buf is not None:
+            return memoryview(self.buf)[start:stop]
+        assert self.rng is not None  # resident
+        return self.rng.pread(start, max(0, stop - start))
 
 
 @dataclass
@@ -83,21 +101,21 @@ class StagingPool:
         self._free: list[bytearray] = []
         self._freed = trio.Event()
         self._spill_wanted = trio.Event()
-        self._inflight: dict[bytes, trio.Event] = {}
+        self._inflight: dict[bytes, _Flight] = {}
+        self._lease_returned = trio.Event()
         self._waiting_writers = 0
         self._spill_failed_logged = False
-        self._want_warm = trio.Event()
         self._refusal: str | None = None  # why writers that must wait fail instead (refuse_waits)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> PoolStats:
         dirty = clean = 0
         for e in self._entries.values():
-            if e.buf is not None:
+            if e.resident:
                 if e.pins:
-                    dirty += len(e.buf)
+                    dirty += e.charge
                 else:
-                    clean += len(e.buf)
+                    clean += e.charge
         free = len(self._free) * CHUNK_BYTES
         return PoolStats(
             budget_bytes=self.budget_bytes,
@@ -125,17 +143,27 @@ class StagingPool:
         bytes.  With ``wait`` the call blocks until memory is free (never
         fails); without it, returns None when memory cannot be had at once.
         """
+        if capacity == CHUNK_BYTES and self._free:
+            return self._free.pop()
+        if not await self.reserve(capacity, wait=wait):
+            return None
+        return bytearray(capacity)
+
+    async def reserve(self, capacity: int, *, wait: bool = True) -> bool:
+        """Count ``capacity`` bytes against the budget (a backing file's range about to be written).
+
+        Makes room as ``alloc`` does: evicts clean chunks, spills pinned
+        ones, waits.  Without ``wait``, False when room cannot be had at
+        once.  ``unreserve`` gives the bytes back.
+        """
         assert 0 < capacity <= CHUNK_BYTES
         waited_s = 0.0
         self._waiting_writers += 1
         try:
             while True:
-                if capacity == CHUNK_BYTES and self._free:
-                    self._want_warm.set()
-                    return self._free.pop()
                 if self.used_bytes + capacity <= self.budget_bytes:
                     self.used_bytes += capacity
-                    return bytearray(capacity)
+                    return True
                 if self._evict_one():
                     continue
                 if self._free:
@@ -143,7 +171,7 @@ class StagingPool:
                     self.used_bytes -= CHUNK_BYTES
                     continue
                 if not wait:
-                    return None
+                    return False
                 if (self.eager_spill or waited_s >= SPILL_WAIT_S) and await self._spill_one():
                     continue
                 if self._refusal is not None:
@@ -156,6 +184,12 @@ class StagingPool:
                     waited_s += 0.1 if self.eager_spill else SPILL_WAIT_S
         finally:
             self._waiting_writers -= 1
+
+    def unreserve(self, charge: int) -> None:
+        """Give back bytes counted by ``reserve``."""
+        if charge:
+            self.used_bytes -= charge
+            self._notify_freed()
 
     def refuse_waits(self, reason: str) -> None:
         """From now on a writer that would wait for memory fails with ENOSPC (``reason``).
@@ -207,6 +241,88 @@ class StagingPool:
         self.pin(key)
         self._place(e)
 
+    def adopt_range(self, key: bytes, rng: Range, length: int, charge: int, *, pin: bool = True) -> None:
+        """Seal the first ``length`` bytes of ``rng`` as chunk ``key`` and pin it once (unless not ``pin``).
+
+        ``charge`` is what ``reserve`` counted for the range; the pool holds
+        it from now on.  If the chunk is already in memory (dedup) the range
+        is punched and its charge given back.
+        """
+        assert rng.entry is None, "a range holds one entry"
+        e = self._entries.get(key)
+        if e is not None and e.resident:
+            self._punch(rng)
+            self.unreserve(charge)
+        else:
+            rng.ensure_length(length)  # leases map it
+            if e is None:
+                e = self._entries[key] = Entry(key, None, length)
+            e.rng, e.length, e.charge = rng, length, charge
+            rng.entry = e
+        if pin:
+            self.pin(key)
+        self._place(e)
+
+    def count_recovered(self, charge: int) -> None:
+        """Count a range a previous run left (recovery), even past the budget: its bytes are there."""
+        self.used_bytes += charge
+
+    def hold(self, key: bytes, delta: int) -> None:
+        """Keep a present chunk from eviction (+1) or let it go again (-1): recovery's hold."""
+        e = self._entries[key]
+        e.leases += delta
+
+    async def take_range(self, rng: Range) -> tuple[int, bytes | None, int]:
+        """Move the entry out of ``rng`` so that its file may write there again.
+
+        Returns the charge the caller now holds for the range (0 if no entry
+        was there: reserve one), and the key and length of the bytes left
+        there (None, 0: nothing to keep).  The bytes stay where they are.  An entry
+        still pinned keeps its bytes elsewhere: in its spill file if it has
+        one, else in a buffer of its own, which may wait for memory.
+        """
+        while True:
+            e = rng.entry
+            if e is None:
+                return 0, None, 0
+            if e.leases:
+                await self._unleased(e)  # a reader maps the range: it must not change under it
+                continue
+            if e.pins and not e.spilled:
+                e.leases += 1  # not evicted (punched) while we wait for the buffer
+                try:
+                    buf = await self.alloc(CHUNK_BYTES if e.length > CHUNK_BYTES // 2 else _small_capacity(e.length))
+                finally:
+                    self._let_go(e)
+                if rng.entry is not e or e.leases:
+                    self.release(buf)
+                    continue
+                buf[: e.length] = rng.pread(0, e.length)
+                e.buf = buf
+            charge, e.charge = e.charge, (len(e.buf) if e.buf is not None else 0)
+            e.rng = rng.entry = None
+            self._place(e)
+            return charge, e.key, e.length
+
+    async def _unleased(self, e: Entry) -> None:
+        while e.leases:
+            await self._lease_returned.wait()
+
+    def _let_go(self, e: Entry) -> None:
+        """End one lease of ``e``."""
+        e.leases -= 1
+        if not e.leases:
+            self._lease_returned.set()
+            self._lease_returned = trio.Event()
+            self._notify_freed()  # it may be evicted now: a waiting writer looks again
+
+    def _punch(self, rng: Range) -> None:
+        try:
+            rng.punch()
+        except OSError as exc:
+            log.warning("could not free chunk %d of %s: %s", rng.index, rng.file.path, exc)
+        rng.file.area.release(rng.file)
+
     async def store(self, key: bytes, data) -> None:
         """Keep a copy of a verified chunk from elsewhere (a peer's replica), pinned like ``adopt``.
 
@@ -217,8 +333,7 @@ class StagingPool:
             self.pin(key)
             return
         n = len(data)
-        cap = CHUNK_BYTES if n > CHUNK_BYTES // 2 else max(4096, 1 << max(0, n - 1).bit_length())
-        buf = await self.alloc(cap)
+        buf = await self.alloc(CHUNK_BYTES if n > CHUNK_BYTES // 2 else _small_capacity(n))
         buf[:n] = data
         self.adopt(key, buf, n)
 
@@ -258,7 +373,7 @@ class StagingPool:
         """File ``e`` in the right index after any change of its state."""
         self._evictable.pop(e.key, None)
         self._unspilled.pop(e.key, None)
-        if e.buf is None:
+        if not e.resident:
             if e.pins == 0 and not e.spilled:
                 del self._entries[e.key]
             return
@@ -271,12 +386,22 @@ class StagingPool:
     def _evict_one(self) -> bool:
         for _key, e in self._evictable.items():
             if e.leases == 0:
-                buf, e.buf = e.buf, None
-                assert buf is not None  # evictable entries are in memory
-                self._place(e)
-                self.release(buf)
+                self._drop_memory(e)
                 return True
         return False
+
+    def _drop_memory(self, e: Entry) -> None:
+        """Free the memory of an evictable entry (its bytes are durable, or spilled)."""
+        buf, rng = e.buf, e.rng
+        e.buf = e.rng = None
+        charge, e.charge = e.charge, 0
+        self._place(e)
+        if buf is not None:
+            self.release(buf)
+        elif rng is not None:
+            rng.entry = None
+            self._punch(rng)
+            self.unreserve(charge)
 
     def drop_clean(self) -> int:
         """Evict every evictable entry (``aiturbo drop-cache``); returns bytes freed."""
@@ -292,37 +417,6 @@ class StagingPool:
             self.used_bytes -= CHUNK_BYTES
         return freed
 
-    # ----------------------------------------------------------------- warmer
-    @staticmethod
-    def _touched_buffer() -> bytearray:
-        buf = bytearray(CHUNK_BYTES)
-        buf[::4096] = bytes(CHUNK_BYTES // 4096)  # fault every page in now
-        return buf
-
-    async def run_warmer(self) -> None:
-        """Keep a few full-size buffers faulted in ahead of the writers.
-
-        First-touch page faults halve write throughput on these machines;
-        taking them in a worker thread, while the trio thread serves writes,
-        moves that cost off the write path.  Only memory that is free under
-        the budget is warmed: warming never evicts or waits.
-        """
-        while True:
-            while (
-                len(self._free) < WARM_BUFFERS_TARGET
-                and self.used_bytes + CHUNK_BYTES <= self.budget_bytes
-                and not self._waiting_writers
-            ):
-                self.used_bytes += CHUNK_BYTES
-                try:
-                    buf = await trio.to_thread.run_sync(background, self._touched_buffer)
-                except BaseException:
-                    self.used_bytes -= CHUNK_BYTES
-                    raise
-                self._free.append(buf)
-            self._want_warm = trio.Event()
-            await self._want_warm.wait()
-
     # ------------------------------------------------------------------ spill
     async def _spill_one(self) -> bool:
         """Write the oldest unspilled pinned chunk to disk and drop its memory."""
@@ -336,17 +430,18 @@ class StagingPool:
         return self._evict_one()
 
     async def _spill_entry(self, e: Entry) -> bool:
-        assert e.buf is not None  # only entries in memory are spilled
+        assert e.resident  # only entries in memory are spilled
         e.leases += 1
         try:
-            await self.spill.write(e.key, memoryview(e.buf)[: e.length])
+            with self._mapped(e) as view:
+                await self.spill.write(e.key, view)
         except OSError as exc:
             if not self._spill_failed_logged:
                 log.warning("spill to %s failed (%s); writers wait for persist instead", self.spill.directory, exc)
                 self._spill_failed_logged = True
             return False
         finally:
-            e.leases -= 1
+            self._let_go(e)
         if e.pins:
             e.spilled = True
         else:
@@ -371,48 +466,87 @@ class StagingPool:
                 self._notify_freed()
 
     # ------------------------------------------------------------------ reads
-    def view(self, key: bytes) -> memoryview | None:
-        """The chunk's bytes if in memory (valid until the next await)."""
+    def has(self, key: bytes) -> bool:
+        """Whether the chunk is in memory (no read of it)."""
         e = self._entries.get(key)
-        if e is None or e.buf is None:
+        return e is not None and e.resident
+
+    def view(self, key: bytes, start: int = 0, count: int | None = None):
+        """The chunk's bytes ``[start, start + count)`` if in memory (valid until the next await)."""
+        e = self._entries.get(key)
+        if e is None or not e.resident:
             return None
         if key in self._evictable:
             self._evictable.move_to_end(key)
-        return memoryview(e.buf)[: e.length]
+        return e.bytes(start, count)
 
-    async def read(self, key: bytes, fetch: Fetch) -> memoryview:
-        """The chunk's bytes from memory, the spill store, or ``fetch()``.
+    async def read(self, key: bytes, fetch: Fetch, *, into: Range | None = None, start: int = 0, count: int | None = None):
+        """The chunk's bytes ``[start, start + count)`` from memory, the spill store, or ``fetch()``.
 
         ``fetch`` must return verified bytes (or raise).  Concurrent misses on
-        one key are merged into one fetch.  The result is cached as a clean
-        entry if memory is free without waiting.  The returned view is valid
-        until the next await; use ``lease`` to hold it longer.
+        one key are merged into one fetch: every waiter gets its bytes, or
+        its error.  The result is cached as a clean entry if memory is free
+        without waiting: in ``into`` (the reading file's range) if given.
+        The returned bytes are valid until the next await; use ``lease`` to
+        hold them longer.
         """
         while True:
-            v = self.view(key)
+            v = self.view(key, start, count)
             if v is not None:
                 return v
             pending = self._inflight.get(key)
             if pending is None:
                 break
-            await pending.wait()
-        done = self._inflight[key] = trio.Event()
+            await pending.done.wait()
+            if pending.error is not None:
+                raise pending.error
+            if pending.data is not None and not self.has(key):
+                return _slice(pending.data, start, count)
+        flight = self._inflight[key] = _Flight()
         try:
             if key in self.spill:
                 data = await self.spill.read(key)
             else:
                 data = await fetch()
-            self._cache(key, data)
-            return memoryview(data)
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                flight.error = exc
+            raise
+        else:
+            flight.data = data
+            self._cache(key, data, into)
+            return _slice(data, start, count)
         finally:
             del self._inflight[key]
-            done.set()
+            flight.done.set()
 
-    def _cache(self, key: bytes, data: bytes) -> None:
-        cap = CHUNK_BYTES if len(data) > CHUNK_BYTES // 2 else max(4096, 1 << (len(data) - 1).bit_length())
-        if self.used_bytes + cap > self.budget_bytes and not (cap == CHUNK_BYTES and self._free):
-            if not self._evict_one():
+    def _cache(self, key: bytes, data, into: Range | None) -> None:
+        n = len(data)
+        e = self._entries.get(key)
+        if e is not None and e.resident:
+            return
+        cap = CHUNK_BYTES if n > CHUNK_BYTES // 2 else _small_capacity(n)
+        if self.used_bytes + cap > self.budget_bytes and not self._evict_one() and not self._free:
+            return
+        if into is not None and into.entry is None:
+            if self.used_bytes + cap > self.budget_bytes:
+                if not self._free:
+                    return
+                self._free.pop()
+                self.used_bytes -= CHUNK_BYTES
+            self.used_bytes += cap
+            try:
+                into.pwrite(0, data)
+            except OSError as exc:
+                self.unreserve(cap)
+                log.warning("could not cache a chunk in %s: %s", into.file.path, exc)
                 return
+            if e is None:
+                e = self._entries[key] = Entry(key, None, n)
+            e.rng, e.length, e.charge = into, n, cap
+            into.entry = e
+            self._place(e)
+            return
         if cap == CHUNK_BYTES and self._free:
             buf = self._free.pop()
         elif self.used_bytes + cap <= self.budget_bytes:
@@ -420,24 +554,70 @@ class StagingPool:
             buf = bytearray(cap)
         else:
             return
-        buf[: len(data)] = data
-        e = self._entries.get(key)
+        buf[:n] = data
         if e is None:
-            e = self._entries[key] = Entry(key, buf, len(data))
+            e = self._entries[key] = Entry(key, buf, n)
         else:
-            e.buf, e.length = buf, len(data)
+            e.buf, e.length = buf, n
+        e.charge = len(buf)
         self._place(e)
 
     @asynccontextmanager
     async def lease(self, key: bytes, fetch: Fetch):
-        """Like ``read`` but the view stays valid inside the ``async with``."""
-        view = await self.read(key, fetch)
+        """Like ``read`` but the bytes stay valid inside the ``async with``.
+
+        A chunk in memory is lent without a copy (a buffer's view, or a
+        read-only map of its range): it is neither evicted nor its range
+        given back to its file meanwhile.  One fetched but not cached is
+        the fetched copy.
+        """
         e = self._entries.get(key)
-        held = e if e is not None and e.buf is not None and view.obj is e.buf else None
-        if held is not None:
-            held.leases += 1
+        if e is None or not e.resident:
+            data = await self.read(key, fetch)
+            e = self._entries.get(key)
+            if e is None or not e.resident:
+                yield data
+                return
+        e.leases += 1
         try:
-            yield view
+            with self._mapped(e) as view:
+                yield view
         finally:
-            if held is not None:
-                held.leases -= 1
+            self._let_go(e)
+
+    @contextmanager
+    def _mapped(self, e: Entry):
+        """A view of a leased entry's bytes, without a copy."""
+        if e.buf is not None:
+            yield memoryview(e.buf)[: e.length]
+            return
+        assert e.rng is not None  # resident
+        m = e.rng.map(e.length)
+        try:
+            yield memoryview(m)
+        finally:
+            try:
+                m.close()
+            except BufferError:
+                pass  # a view of it outlives the lease (the caller's name for it): unmapped when that goes
+
+
+class _Flight:
+    """One fetch of a chunk that other readers wait for."""
+
+    __slots__ = ("done", "data", "error")
+
+    def __init__(self):
+        self.done = trio.Event()
+        self.data = None
+        self.error: Exception | None = None
+
+
+def _small_capacity(n: int) -> int:
+    return max(4096, 1 << max(0, n - 1).bit_length())
+
+
+def _slice(data, start: int, count: int | None):
+    if start == 0 and (count is None or count >= len(data)):
+        return memoryview(data)
+    return memoryview(data)[start : len(data) if count is None else start + count]

@@ -1,14 +1,18 @@
-"""In-memory content of one regular file: its chunk slots.
+"""The content of one regular file: its chunk slots and its backing file.
 
-A slot is in one of three forms:
+Chunk ``i``'s bytes, when they are on this node, are range ``i`` of the
+file's backing file (``staging._backing``).  A slot is in one of three forms:
 
-* **open** — ``buf`` holds the chunk being written (``filled`` bytes are
-  initialised; the rest reads as zeros), ``key`` is None;
-* **sealed** — ``key`` is the chunk's BLAKE3 digest and the bytes live in the
-  staging pool (or spill, or the backend); ``pinned`` says whether this slot
-  holds one of the pool's not-yet-durable references;
-* **external** — imported from the backend without a hash (``key`` None,
-  ``buf`` None): read by range, never verified, hashed when first written.
+* **open** — the range holds the chunk being written; ``charge`` bytes of the
+  pool's budget are reserved for it; ``filled`` bytes are initialised and the
+  rest reads as zeros (the range past ``filled`` is a hole); ``key`` is None;
+* **sealed** — ``key`` is the chunk's BLAKE3 digest and the bytes are the
+  pool's entry of that key (in this file's range, another file's, a buffer,
+  spill, or only the backend); ``pinned`` says whether this slot holds one of
+  the pool's not-yet-durable references: a chunk sealed since the last
+  commit.  A commit hands those pins to the version's ``VersionPins``;
+* **external** — imported from the backend without a hash (``key`` None, not
+  open): read by range, never verified, hashed when first written.
 
 A ``None`` slot is a hole: it reads as zeros.  This module is pure data: the
 Filesystem drives every transition and the pool bookkeeping.
@@ -17,14 +21,35 @@ Filesystem drives every transition and the pool bookkeeping.
 import trio
 
 from .. import chunk
-from .._limits import CHUNK_BITS
+from .._limits import CHUNK_BITS, CHUNK_BYTES, SMALL_BUFFER_BYTES
+from ..staging import BackingFile, Range
+
+
+def room(want: int, index: int) -> int:
+    """The budget an open chunk holding ``want`` bytes counts for: a small file's first chunk counts what it uses."""
+    return CHUNK_BYTES if (want > SMALL_BUFFER_BYTES or index > 0) else max(4096, 1 << max(0, want - 1).bit_length())
+
+
+class VersionPins:
+    """The pool pins of one committed version: released once, when a version at
+    least as new is durable, or this one is broken, or the file is dropped.
+
+    The persister may be uploading that version, so its chunks must stay in
+    memory (or spill) until then, even if the file's slots are written again.
+    """
+
+    __slots__ = ("version", "keys")
+
+    def __init__(self, version: int, keys: list[bytes]):
+        self.version = version
+        self.keys = keys  # one pool pin each (a key may repeat)
 
 
 class Slot:
-    __slots__ = ("buf", "filled", "key", "pinned", "seq")
+    __slots__ = ("charge", "filled", "key", "pinned", "seq")
 
-    def __init__(self, *, buf: bytearray | None = None, key: bytes | None = None, pinned: bool = False):
-        self.buf = buf
+    def __init__(self, *, key: bytes | None = None, pinned: bool = False, charge: int = 0):
+        self.charge = charge
         self.filled = 0
         self.key = key
         self.pinned = pinned
@@ -32,20 +57,24 @@ class Slot:
 
     @property
     def is_open(self) -> bool:
-        return self.buf is not None
+        return self.charge > 0
 
     @property
     def is_external(self) -> bool:
-        return self.buf is None and self.key is None
+        return self.charge == 0 and self.key is None
 
 
 class FileContent:
     """The chunk slots and size of one file, plus its change counters."""
 
-    __slots__ = ("slots", "size", "seq", "committed_seq", "lock", "broken")
+    __slots__ = ("slots", "size", "seq", "committed_seq", "lock", "broken", "backing", "committing")
 
     def __init__(self, size: int = 0):
         self.slots: list[Slot | None] = []
+        # While a commit is in flight: pins of sealed slots freed meanwhile,
+        # which the manifest being committed may name (they join its VersionPins).
+        self.committing: list[bytes] | None = None
+        self.backing: BackingFile | None = None  # set by the Filesystem on first use
         self.size = size
         self.seq = 0  # bumped by every modification
         self.committed_seq = 0  # ``seq`` covered by the last manifest commit
@@ -57,8 +86,8 @@ class FileContent:
         return self.seq != self.committed_seq
 
     @classmethod
-    def from_manifest(cls, size: int, manifest: bytes | None, *, pinned: bool) -> "FileContent":
-        """Slots for a committed file; ``manifest`` None means external chunks."""
+    def from_manifest(cls, size: int, manifest: bytes | None) -> "FileContent":
+        """Slots for a committed file (they hold no pins); ``manifest`` None means external chunks."""
         content = cls(size)
         n = chunk.chunk_count(size)
         if manifest is None:
@@ -66,7 +95,7 @@ class FileContent:
             return content
         keys = chunk.unpack_manifest(manifest)
         assert len(keys) >= n, "manifest covers the file"
-        content.slots = [None if k == chunk.HOLE else Slot(key=k, pinned=pinned) for k in keys[:n]]
+        content.slots = [None if k == chunk.HOLE else Slot(key=k) for k in keys[:n]]
         return content
 
     def manifest(self) -> bytes:
@@ -90,3 +119,8 @@ class FileContent:
 
     def chunk_start(self, index: int) -> int:
         return index << CHUNK_BITS
+
+    def range(self, index: int) -> Range:
+        """Chunk ``index``'s range of the backing file (the Filesystem sets ``backing`` first)."""
+        assert self.backing is not None, "content without a backing file"
+        return self.backing.range(index)

@@ -3,15 +3,18 @@
 ``Filesystem`` is what the FUSE adapter calls.  It speaks in domain types
 (``InodeRow``, bytes names, ``AiturboError``) and never imports pyfuse3.
 
-Write path (future 0): ``write`` copies into an open chunk buffer from the
-pool; a chunk that fills up is hashed in a worker thread and sealed into the
-pool while the writer goes on (one of all zeros becomes a hole: no memory);
+Write path (future 0): ``write`` copies into the file's backing file (a
+tmpfs, ``staging._backing``), into an open chunk whose room the pool has
+counted; a chunk that fills up is hashed in a worker thread and sealed into
+the pool in place while the writer goes on (one of all zeros becomes a hole:
+no memory);
 ``flush``/``fsync``/``release`` seal the rest,
 commit the manifest (ordered chunk hashes, size, state ``staged``) to the
 metadata engine and hand the file to the persister (future 1).
 
-Read path: open slot -> pool (memory, spill) -> backend range verified
-against the chunk hash.  Files imported from the backend without a manifest
+Read path: open slot -> pool (backing files, buffers, spill) -> backend
+range verified against the chunk hash, cached in the reading file's backing
+file.  Files imported from the backend without a manifest
 are read by range without verification (there is nothing to verify against).
 """
 
@@ -34,6 +37,7 @@ from .._errors import (
     IsADirectory,
     NameTooLong,
     NoAttribute,
+    NoSpace,
     NotFound,
     NotPermitted,
     TransientBackendError,
@@ -49,15 +53,15 @@ from .._limits import (
     READ_AHEAD_CHUNKS,
     READDIR_BATCH_ENTRIES,
     SEAL_QUEUE_MAX,
-    SMALL_BUFFER_BYTES,
     SYMLINK_TARGET_BYTES_MAX,
 )
 from .._threads import background
 from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED, InodeRow
-from ..staging import StagingPool
+from ..staging import BackingArea, BackingFile, Range, StagingPool, content_key_of
 from . import _xattr
 from ._cluster import ClusterPort, ReadRequest, Staged, StageRequest
-from ._content import FileContent, Slot
+from ._content import FileContent, Slot, VersionPins, room
+from ._fetch import ChunkFetcher
 from ._health import BackendHealth
 from ._importer import Importer
 from ._options import VfsOptions
@@ -86,7 +90,7 @@ CloseReporter = Callable[[CloseReport], Awaitable[None]]
 class Inode:
     """What the daemon holds in memory for an inode the kernel knows."""
 
-    __slots__ = ("ino", "row", "lookups", "opens", "content", "cached_version", "tags", "retained")
+    __slots__ = ("ino", "row", "lookups", "opens", "content", "cached_version", "tags", "pins")
 
     def __init__(self, row: InodeRow):
         self.ino = row.ino
@@ -96,13 +100,8 @@ class Inode:
         self.content: FileContent | None = None
         self.cached_version = -1  # version whose pages the kernel may hold
         self.tags: dict[bytes, bytes] | None = None  # user.aiturbo.* cache
-        # Pins of chunks whose slots were rewritten while the committed version
-        # naming them was not yet durable: (that version, chunk key).  The
-        # persister may still be uploading that version, so its chunks must
-        # stay in DRAM (or spill) until a version at least as new is durable
-        # or broken; releasing them with the slot let the pool evict a chunk
-        # mid-upload and marked the older version broken.
-        self.retained: list[tuple[int, bytes]] = []
+        # The pins of committed versions not yet durable (see VersionPins), oldest first.
+        self.pins: list[VersionPins] = []
 
     @property
     def file(self) -> FileContent:
@@ -145,7 +144,7 @@ class Filesystem:
     """The node's POSIX filesystem (see module doc)."""
 
     def __init__(
-        self, meta, backend, pool: StagingPool, options: VfsOptions, *,
+        self, meta, backend, pool: StagingPool, options: VfsOptions, *, staging: BackingArea,
         reporter: CloseReporter | None = None, cluster: ClusterPort | None = None,
     ):
         self.meta = meta
@@ -155,6 +154,7 @@ class Filesystem:
         # hold (S3: 5 TiB), refused at once (EFBIG) rather than broken at persist.
         self.size_max = min(FILE_SIZE_BYTES_MAX, backend.object_bytes_max)
         self.pool = pool
+        self.staging = staging
         self.options = options
         self._reporter = reporter
         self._inodes: dict[int, Inode] = {}
@@ -162,6 +162,7 @@ class Filesystem:
         self._next_fh = 1
         self._seal_send, self._seal_recv = trio.open_memory_channel(SEAL_QUEUE_MAX)
         self._state_changed: dict[int, trio.Event] = {}
+        self.fetcher = ChunkFetcher(self)
         self.persister = Persister(self)
         self.importer = Importer(self)
         self.health = BackendHealth(backend, on_up=self._backend_up, record_error=self.record_error)
@@ -280,49 +281,96 @@ class Filesystem:
             self.persister.enqueue(node.ino, moved=True)  # deletes backend copies, then the row
             return
         content = node.content
-        if node.retained or (content is not None and (content.dirty or self._has_pins(content))):
+        if node.pins or (content is not None and (content.dirty or self._has_pins(content))):
             return  # still staged: keep the slots (and their pins) in memory
+        if content is not None:
+            self._let_go(content)  # what it cached stays in the pool, evictable
         del self._inodes[node.ino]
 
     def _has_pins(self, content: FileContent) -> bool:
         return any(s is not None and s.pinned for s in content.slots)
 
     def _drop_content(self, node: Inode) -> None:
-        self._release_retained(node, None)
+        self._release_pins(node, None)
         content, node.content = node.content, None
         if content is None:
             return
         for i, slot in enumerate(content.slots):
-            self._free_slot(slot)
+            self._free_slot(slot, content=content, index=i)
             content.slots[i] = None
+        self._let_go(content)
 
-    def _free_slot(self, slot: Slot | None, node: Inode | None = None) -> None:
-        """Give back a slot's buffer or pin; ``node`` retains the pin for its committed version."""
+    def _let_go(self, content: FileContent) -> None:
+        """The content no longer uses its backing file (the pool's entries there may)."""
+        backing, content.backing = content.backing, None
+        if backing is not None:
+            backing.users -= 1
+            self.staging.release(backing)
+
+    def _backing(self, node: Inode, content: FileContent) -> BackingFile:
+        if content.backing is None:
+            content.backing = self.staging.file(node.ino)
+            content.backing.users += 1
+        return content.backing
+
+    def _free_slot(self, slot: Slot | None, node: Inode | None = None, *, content: FileContent | None = None,
+                   index: int = 0) -> None:
+        """Give back a slot's room or pin.
+
+        An open slot's range (chunk ``index`` of ``content``) is punched.  The
+        pin of a slot sealed since the last commit is released, unless a
+        commit is in flight that may name the chunk: it joins that version's pins.
+        """
         if slot is None:
             return
-        if slot.buf is not None:
-            buf, slot.buf = slot.buf, None
+        if slot.is_open:
+            charge, slot.charge = slot.charge, 0
             slot.seq += 1  # invalidates a sealer working on it
-            self.pool.release(buf)
+            if content is None and node is not None:
+                content = node.content
+            if content is not None and content.backing is not None:
+                self._punch(content.range(index))
+            self.pool.unreserve(charge)
         elif slot.pinned:
             assert slot.key is not None  # a pin is on a sealed chunk
             slot.pinned = False
-            if node is not None and node.row.state in (STATE_STAGED, STATE_PERSISTING):
-                node.retained.append((node.row.version, slot.key))
+            if content is None and node is not None:
+                content = node.content
+            if content is not None and content.committing is not None:
+                content.committing.append(slot.key)
             else:
                 self.pool.unpin(slot.key)
 
-    def _release_retained(self, node: Inode, upto: int | None) -> None:
-        """Unpin retained chunks of versions <= ``upto`` (all of them with None)."""
-        if not node.retained:
-            return
+    def _release_pins(self, node: Inode, upto: int | None) -> None:
+        """Release the pins of committed versions <= ``upto`` (all of them with None)."""
         keep = []
-        for version, key in node.retained:
-            if upto is None or version <= upto:
-                self.pool.unpin(key)
+        for pins in node.pins:
+            if upto is None or pins.version <= upto:
+                for key in pins.keys:
+                    self.pool.unpin(key)
             else:
-                keep.append((version, key))
-        node.retained = keep
+                keep.append(pins)
+        node.pins = keep
+
+    def _take_pins(self, node: Inode, content: FileContent, version: int, manifest: bytes, extra: list[bytes]) -> None:
+        """After commit of ``version``: the slots' pins (and ``extra``) become the version's.
+
+        A chunk it shares with an older version still pinned gets a pin of
+        its own: that older version may turn broken and let its pins go
+        while this one still needs the bytes.
+        """
+        keys = list(extra)
+        for slot in content.slots:
+            if slot is not None and slot.pinned:
+                assert slot.key is not None
+                keys.append(slot.key)
+                slot.pinned = False
+        if node.pins:
+            older = {k for pins in node.pins for k in pins.keys}
+            for k in (set(chunk.unpack_manifest(manifest)) & older) - set(keys):
+                self.pool.pin(k)
+                keys.append(k)
+        node.pins.append(VersionPins(version, keys))
 
     async def getattr(self, ino: int) -> InodeRow:
         node = self._inodes.get(ino)
@@ -628,7 +676,7 @@ class Filesystem:
         if node.content is None:
             # built from a commit: pins were taken (and released) by the slots
             # that sealed the chunks, so a rebuilt content holds none
-            node.content = FileContent.from_manifest(node.row.size, node.row.manifest, pinned=False)
+            node.content = FileContent.from_manifest(node.row.size, node.row.manifest)
         return node.content
 
     def _open_handle(self, node: Inode, flags: int, *, created: bool = False) -> Handle:
@@ -734,7 +782,7 @@ class Filesystem:
         if offset >= content.size and content.size % CHUNK_BYTES:
             last = (content.size - 1) // CHUNK_BYTES
             slot = content.slot_at(last)
-            if last < offset // CHUNK_BYTES and slot is not None and slot.buf is None:
+            if last < offset // CHUNK_BYTES and slot is not None and not slot.is_open:
                 # The write skips the old short tail chunk, which now grows to a
                 # full chunk of zeros: reopen it, as a growing truncate does (its
                 # sealed hash covers only the old length: the upload failed and
@@ -744,15 +792,12 @@ class Filesystem:
         for index, start, count, done in chunk.spans(offset, length):
             slot = content.slot_at(index)
             end = start + count
-            if slot is None or slot.buf is None or len(slot.buf) < end:
+            if slot is None or slot.charge < room(end, index):
                 slot = await self._writable_slot(node, content, index, end)
-            buf = slot.buf
-            assert buf is not None  # an open slot
-            if start > slot.filled:
-                buf[slot.filled : start] = bytes(start - slot.filled)
-            # through a memoryview: bytearray slice assignment from another
-            # buffer first copies it into a temporary (a fresh 1 MiB malloc)
-            memoryview(buf)[start:end] = view[done : done + count]
+            try:
+                content.range(index).pwrite(start, view[done : done + count])
+            except OSError as exc:
+                raise NoSpace(f"staging area {self.staging.directory}: {exc.strerror}", errno_=exc.errno) from exc
             if end > slot.filled:
                 slot.filled = end
             slot.seq += 1
@@ -770,48 +815,79 @@ class Filesystem:
         return length
 
     async def _writable_slot(self, node: Inode, content: FileContent, index: int, end: int) -> Slot:
-        """An open slot at ``index`` with room for ``end`` bytes (may wait for memory)."""
+        """An open slot at ``index`` with room for ``end`` bytes (may wait for memory).
+
+        The slot's bytes are chunk ``index``'s range of the backing file.  If
+        the pool's entry of the chunk's current bytes is in that range, it is
+        moved out (``take_range``: copied first if a version not yet durable
+        needs it) and the bytes stay; otherwise they are read in.
+        """
         async with content.lock:
             content.ensure_slots(index)
             slot = content.slots[index]
-            if slot is not None and slot.buf is not None and len(slot.buf) >= end:
+            need = room(max(end, chunk.chunk_length(content.size, index)), index)
+            if slot is not None and slot.is_open:
+                if slot.charge < need:
+                    await self._reserve(content, index, need - slot.charge)
+                    slot.charge = need
                 return slot
-            valid = chunk.chunk_length(content.size, index)
-            want = max(end, valid)
-            cap = CHUNK_BYTES if (want > SMALL_BUFFER_BYTES or index > 0) else max(4096, 1 << (want - 1).bit_length())
-            buf = await self._alloc(content, index, cap)
-            # A truncate (which takes no lock) may have shortened the slots while we waited.
-            content.ensure_slots(index)
-            slot = content.slots[index]  # may have changed while we waited
-            if slot is not None and slot.buf is not None and len(slot.buf) >= end:
-                self.pool.release(buf)
-                return slot
+            rng = self._backing(node, content).range(index)
+            charge, kept, kept_length = await self.pool.take_range(rng)
             try:
-                filled = await self._fill_from(node, content, index, slot, buf, valid)
+                if charge < need:
+                    await self._reserve(content, index, need - charge)
+                    charge = need
+                # A truncate (which takes no lock) may have shortened the slots while we waited.
+                content.ensure_slots(index)
+                slot = content.slots[index]  # may have changed while we waited
+                if slot is not None and slot.is_open:
+                    self.pool.unreserve(charge)
+                    charge = 0
+                    return await self._writable_slot_locked_again(node, content, index, end)
+                valid = chunk.chunk_length(content.size, index)
+                if slot is not None and kept is not None and kept == self._cache_key(node, index, slot):
+                    filled = min(kept_length, valid)
+                    if filled < kept_length:
+                        rng.punch(filled)  # a truncate cut the chunk meanwhile
+                else:
+                    if kept is not None or rng.file.size > rng.offset:
+                        rng.punch()  # another version's bytes
+                    filled = await self._fill_from(node, content, index, slot, rng, valid)
             except BaseException:
-                self.pool.release(buf)
+                self.pool.unreserve(charge)
                 raise
             content.ensure_slots(index)
             slot = content.slots[index]
-            new = Slot(buf=buf)
+            new = Slot(charge=charge)
             # (a truncate during the fill's await cut the chunk: its old bytes past the cut are gone)
             new.filled = min(filled, chunk.chunk_length(content.size, index))
+            if new.filled < filled:
+                rng.punch(new.filled)
             content.slots[index] = new
-            self._free_slot(slot, node)
+            self._free_slot(slot, node, content=content, index=index)
             return new
 
-    async def _alloc(self, content: FileContent, index: int, cap: int) -> bytearray:
-        """A buffer for chunk ``index``; when the pool is full, first seal the open chunks of open files.
+    async def _writable_slot_locked_again(self, node: Inode, content: FileContent, index: int, end: int) -> Slot:
+        """An open slot appeared while ``_writable_slot`` waited: give it room (the lock is held)."""
+        slot = content.slots[index]
+        assert slot is not None and slot.is_open
+        need = room(max(end, chunk.chunk_length(content.size, index)), index)
+        if slot.charge < need:
+            await self._reserve(content, index, need - slot.charge)
+            slot.charge = need
+        return slot
 
-        A chunk written in part stays open (its buffer outside the pool's
+    async def _reserve(self, content: FileContent, index: int, n: int) -> None:
+        """Room for ``n`` more bytes of chunk ``index``; when the pool is full, first seal the open chunks of open files.
+
+        A chunk written in part stays open (its room outside the pool's
         reach) until close seals it: random writes over more chunks than the
         budget holds (scattered copies into a sparse file) waited forever.
         Sealed, they are pinned entries like full chunks, which the pool
         spills under pressure; a later write reopens them from there.
         """
-        buf = await self.pool.alloc(cap, wait=False)
-        if buf is not None:
-            return buf
+        if await self.pool.reserve(n, wait=False):
+            return
         for handle in list(self._handles.values()):
             other = handle.inode.content
             if other is None:
@@ -819,21 +895,27 @@ class Filesystem:
             # Not a file's last chunk: the next write past EOF may grow it,
             # and a chunk sealed short would then be a wrong-length part.
             for i, slot in enumerate(other.slots[: chunk.chunk_count(other.size) - 1]):
-                if slot is not None and slot.buf is not None and not (other is content and i == index):
+                if slot is not None and slot.is_open and not (other is content and i == index):
                     await self._seal(other, i, slot)
-        return await self.pool.alloc(cap)
+        await self.pool.reserve(n)
 
-    async def _fill_from(self, node: Inode, content: FileContent, index: int, slot: Slot | None, buf: bytearray, valid: int) -> int:
-        """Copy the current bytes of chunk ``index`` into ``buf``; returns bytes filled."""
+    async def _fill_from(self, node: Inode, content: FileContent, index: int, slot: Slot | None, rng: Range, valid: int) -> int:
+        """Write the current bytes of chunk ``index`` into its range; returns bytes filled."""
         if slot is None or valid == 0:
             return 0
-        if slot.buf is not None:
-            n = min(slot.filled, valid)
-            buf[:n] = memoryview(slot.buf)[:n]
-            return n
-        data = await self._read_slot(node, index, slot, valid)
-        buf[: len(data)] = data
+        assert not slot.is_open  # an open slot's bytes are in its range already
+        data = await self._read_slot(node, index, slot, valid, cache=False)
+        try:
+            rng.pwrite(0, data)
+        except OSError as exc:
+            raise NoSpace(f"staging area {self.staging.directory}: {exc.strerror}", errno_=exc.errno) from exc
         return len(data)
+
+    def _punch(self, rng: Range) -> None:
+        try:
+            rng.punch()
+        except OSError as exc:
+            log.warning("could not free chunk %d of %s: %s", rng.index, rng.file.path, exc)
 
     async def _truncate(self, node: Inode, content: FileContent, size: int) -> None:
         if size == content.size:
@@ -844,18 +926,19 @@ class Filesystem:
             tail = size - ((keep - 1) * CHUNK_BYTES) if keep else 0
             if keep and tail < CHUNK_BYTES:
                 slot = content.slot_at(keep - 1)
-                if slot is not None and slot.buf is None:
+                if slot is not None and not slot.is_open:
                     slot = await self._writable_slot(node, content, keep - 1, 0)
                 if slot is not None and slot.filled > tail:
+                    content.range(keep - 1).punch(tail)  # the range past the cut reads as zeros again
                     slot.filled = tail
                     slot.seq += 1
-            for slot in content.slots[keep:]:
-                self._free_slot(slot, node)
+            for i, slot in enumerate(content.slots[keep:], start=keep):
+                self._free_slot(slot, node, content=content, index=i)
             del content.slots[keep:]
         else:
             last = chunk.chunk_count(content.size) - 1
             slot = content.slot_at(last) if last >= 0 else None
-            if slot is not None and slot.buf is None and chunk.chunk_length(content.size, last) < CHUNK_BYTES:
+            if slot is not None and not slot.is_open and chunk.chunk_length(content.size, last) < CHUNK_BYTES:
                 # the sealed tail chunk grows: its bytes change (zeros appended)
                 await self._writable_slot(node, content, last, 0)
         content.size = size
@@ -871,52 +954,53 @@ class Filesystem:
     async def _run_sealer(self) -> None:
         async for node, index, slot, seq in self._seal_recv:
             content = node.content
-            if content is None or content.slot_at(index) is not slot or slot.seq != seq or slot.buf is None:
+            if content is None or content.slot_at(index) is not slot or slot.seq != seq or not slot.is_open:
                 continue
             await self._seal(content, index, slot, urgent=False)
 
     async def _seal(self, content: FileContent, index: int, slot: Slot, *, urgent: bool = True) -> bool:
-        """Hash an open slot and hand its buffer to the pool; False if it changed meanwhile."""
-        if slot.buf is None:
+        """Hash an open slot and hand its range to the pool; False if it changed meanwhile."""
+        if not slot.is_open:
             return slot.key is not None  # sealed meanwhile by the other sealer
         length = chunk.chunk_length(content.size, index)
-        if length > slot.filled:
-            if length > len(slot.buf):
-                return False  # needs a bigger buffer: the caller reallocates
-            slot.buf[slot.filled : length] = bytes(length - slot.filled)
-            slot.filled = length
+        if length > slot.charge:
+            return False  # needs more room: the caller reserves it
         seq = slot.seq
-        view = memoryview(slot.buf)[:length]
+        rng = content.range(index)
         if length > HASH_INLINE_BYTES_MAX:
             # the sealer works ahead at low priority; close()/fsync wait on it
-            if urgent:
-                key = await trio.to_thread.run_sync(chunk.content_key, view)
-            else:
-                key = await trio.to_thread.run_sync(background, chunk.content_key, view)
+            path, at = rng.file.path, rng.offset
+            try:
+                if urgent:
+                    key = await trio.to_thread.run_sync(content_key_of, path, at, length)
+                else:
+                    key = await trio.to_thread.run_sync(background, content_key_of, path, at, length)
+            except FileNotFoundError:
+                return False  # the file is gone (unlinked and dropped meanwhile)
         else:
-            key = chunk.content_key(view)
-        if content.slot_at(index) is not slot or slot.seq != seq or slot.buf is None or chunk.chunk_length(content.size, index) != length:
+            key = chunk.content_key(rng.pread(0, length))
+        if content.slot_at(index) is not slot or slot.seq != seq or not slot.is_open or chunk.chunk_length(content.size, index) != length:
             return False
         if key == chunk.HOLE:
             # written as zeros: a hole like one never written (no pool memory,
             # no spill, no backend blocks)
             content.slots[index] = None
-            self._free_slot(slot)
+            self._free_slot(slot, content=content, index=index)
             return True
-        buf, slot.buf = slot.buf, None
+        charge, slot.charge = slot.charge, 0
         slot.key = key
         slot.pinned = True
-        self.pool.adopt(key, buf, length)
+        self.pool.adopt_range(key, rng, length, charge)
         return True
 
     async def _seal_all(self, node: Inode, content: FileContent) -> None:
         while True:
-            pending = [(i, s) for i, s in enumerate(content.slots[: chunk.chunk_count(content.size)]) if s is not None and s.buf is not None]
+            pending = [(i, s) for i, s in enumerate(content.slots[: chunk.chunk_count(content.size)]) if s is not None and s.is_open]
             if not pending:
                 return
             for index, slot in pending:
-                if not await self._seal(content, index, slot) and content.slot_at(index) is slot and slot.buf is not None:
-                    if chunk.chunk_length(content.size, index) > len(slot.buf):
+                if not await self._seal(content, index, slot) and content.slot_at(index) is slot and slot.is_open:
+                    if chunk.chunk_length(content.size, index) > slot.charge:
                         await self._writable_slot(node, content, index, chunk.chunk_length(content.size, index))
 
     async def _commit(self, node: Inode, *, sync: bool = False) -> None:
@@ -938,16 +1022,27 @@ class Filesystem:
             # fetches them from there if the pool has evicted them.
             manifest = content.manifest()
             placed = None
-            if self.cluster is not None:
-                placed = await self._stage(node, content, manifest)
-                if content.seq != seq:
-                    continue  # written meanwhile: seal and place the new bytes
-            row = await self.meta.commit_manifest(
-                node.ino, size=content.size, manifest=manifest, state=STATE_STAGED, mtime_ns=node.row.mtime_ns,
-                sync=sync,
-                **({"owner": self.cluster.node, "holders": placed.holders}
-                   if self.cluster is not None and placed is not None else {}),
-            )
+            freed: list[bytes] = []
+            content.committing = freed
+            row = None
+            try:
+                if self.cluster is not None:
+                    placed = await self._stage(node, content, manifest)
+                if content.seq == seq:  # else written meanwhile: seal and place the new bytes
+                    row = await self.meta.commit_manifest(
+                        node.ino, size=content.size, manifest=manifest, state=STATE_STAGED, mtime_ns=node.row.mtime_ns,
+                        sync=sync,
+                        **({"owner": self.cluster.node, "holders": placed.holders}
+                           if self.cluster is not None and placed is not None else {}),
+                    )
+            finally:
+                content.committing = None
+                if row is None:
+                    for key in freed:
+                        self.pool.unpin(key)  # nothing committed names them
+            if row is None:
+                continue
+            self._take_pins(node, content, row.version, manifest, freed)
             content.committed_seq = seq
             node.row = row
             log.info("staged ino=%d version=%d size=%d holders=%s", node.ino, row.version, row.size,
@@ -1024,68 +1119,79 @@ class Filesystem:
         slot = content.slot_at(index)
         if slot is None:
             return bytes(count)
-        if slot.buf is not None:
-            stop = start + count
-            if stop <= slot.filled:
-                return memoryview(slot.buf)[start:stop]
-            have = memoryview(slot.buf)[start : max(start, slot.filled)]
-            return bytes(have) + bytes(count - len(have))
-        data = await self._read_slot(node, index, slot, chunk.chunk_length(content.size, index))
-        return data[start : start + count]
+        if slot.is_open:
+            return content.range(index).pread(start, count)  # past ``filled`` the range is a hole: zeros
+        return await self._read_slot(node, index, slot, chunk.chunk_length(content.size, index), start=start, count=count)
 
     def _read_ahead(self, node: Inode, content: FileContent, last: int) -> None:
         """A sequential reader: fetch the next chunks into the pool while it reads this one."""
         for index in range(last + 1, min(last + 1 + READ_AHEAD_CHUNKS, chunk.chunk_count(content.size))):
             slot = content.slot_at(index)
-            if slot is None or slot.key is None or slot.buf is not None:
+            if slot is None or slot.key is None:
                 continue
             key = slot.key
-            if key in self._prefetching or self.pool.view(key) is not None or len(self._prefetching) >= PREFETCH_TASKS_MAX:
+            if key in self._prefetching or self.pool.has(key) or len(self._prefetching) >= PREFETCH_TASKS_MAX:
                 continue
             self._prefetching.add(key)
             assert self._nursery is not None  # started
-            self._nursery.start_soon(self._prefetch, node, index, key, chunk.chunk_length(content.size, index))
+            self._nursery.start_soon(self._prefetch, node, content, index, key, chunk.chunk_length(content.size, index))
 
-    async def _prefetch(self, node: Inode, index: int, key: bytes, length: int) -> None:
+    async def _prefetch(self, node: Inode, content: FileContent, index: int, key: bytes, length: int) -> None:
         try:
-            await self.pool.read(key, lambda: self.persister.fetch_chunk(node.ino, index, key, length))
+            into = self._backing(node, content).range(index) if node.content is content else None
+            await self.pool.read(key, lambda: self.fetcher.chunk(node.ino, index, key, length, node.row), into=into, count=0)
         except AiturboError as exc:  # the reader will fetch (and report) it itself
             log.debug("read-ahead of inode %d chunk %d: %s", node.ino, index, exc)
         finally:
             self._prefetching.discard(key)
 
-    async def _read_slot(self, node: Inode, index: int, slot: Slot, length: int):
-        """The bytes of a sealed or external slot (valid until the next await)."""
+    async def _read_slot(self, node: Inode, index: int, slot: Slot, length: int, *, start: int = 0,
+                         count: int | None = None, cache: bool = True):
+        """Bytes ``start:start+count`` of a sealed or external slot (valid until the next await).
+
+        With ``cache`` a chunk fetched from elsewhere is kept in the file's
+        range (a clean entry the pool may evict).
+        """
+        content = node.content
+        into = self._backing(node, content).range(index) if cache and content is not None else None
         if slot.key is None:
-            return await self._read_external(node, index, length)
+            return await self._read_external(node, index, length, into=into, start=start, count=count)
         key = slot.key
 
         async def fetch() -> bytes:
-            return await self.persister.fetch_chunk(node.ino, index, key, length)
+            return await self.fetcher.chunk(node.ino, index, key, length, node.row)
 
         try:
-            return await self.pool.read(key, fetch)
+            return await self.pool.read(key, fetch, into=into, start=start, count=count)
         except AiturboError as exc:
             self.record_error(f"read of inode {node.ino} chunk {index} failed: {exc}")
             raise BrokenFile(str(exc)) from exc
 
-    async def _read_external(self, node: Inode, index: int, length: int):
+    def _cache_key(self, node: Inode, index: int, slot: Slot) -> bytes:
+        """The pool key of a sealed or external slot's bytes."""
+        if slot.key is not None:
+            return slot.key
+        keys = node.row.backend_keys
+        etag = (node.row.backend_etag or "").encode()
+        # surrogateescape: keys of non-UTF-8 names hold lone surrogates
+        key = (keys[0] if keys else "").encode("utf-8", "surrogateescape")
+        return chunk.digest(b"external\0" + key + b"\0" + etag + b"\0" + str(index).encode())
+
+    async def _read_external(self, node: Inode, index: int, length: int, *, into: Range | None = None,
+                             start: int = 0, count: int | None = None):
         keys = node.row.backend_keys
         if not keys:
             raise BrokenFile(f"inode {node.ino} has no data in the backend")
-        etag = (node.row.backend_etag or "").encode()
-        # surrogateescape: keys of non-UTF-8 names hold lone surrogates
-        key = keys[0].encode("utf-8", "surrogateescape")
-        cache_key = chunk.digest(b"external\0" + key + b"\0" + etag + b"\0" + str(index).encode())
+        cache_key = self._cache_key(node, index, Slot())
 
         async def fetch() -> bytes:
-            data = await self.persister.read_range(keys[0], index * CHUNK_BYTES, length)
+            data = await self.fetcher.read_range(keys[0], index * CHUNK_BYTES, length)
             if len(data) != length:
                 raise BrokenFile(f"{keys[0]} is shorter than expected (changed in the backend?)")
             return data
 
         try:
-            return await self.pool.read(cache_key, fetch)
+            return await self.pool.read(cache_key, fetch, into=into, start=start, count=count)
         except TransientBackendError as exc:
             self.record_error(f"read of {keys[0]} chunk {index} failed: {exc}")
             raise BackendUnavailable(str(exc)) from exc
@@ -1120,32 +1226,30 @@ class Filesystem:
                 node.row.backend_keys = row.backend_keys
                 node.row.persisted_version = row.persisted_version
             content = node.content
-            if content is not None and row.state == STATE_DURABLE and row.manifest is not None:
-                keys = chunk.unpack_manifest(row.manifest)
-                for index, slot in enumerate(content.slots):
-                    if slot is not None and slot.pinned and index < len(keys) and slot.key == keys[index]:
-                        self.pool.unpin(slot.key)
-                        slot.pinned = False
             if row.state in (STATE_DURABLE, STATE_BROKEN):
-                self._release_retained(node, row.version)
+                self._release_pins(node, row.version)
             if row.state == STATE_BROKEN and content is not None and not content.dirty:
                 content.broken = True
             await self._maybe_drop(node)
         self._notify_state(ino)
 
-    def adopt_recovered(self, row: InodeRow) -> None:
-        """After a restart: hold the pins of a staged file recovered from spill."""
+    def adopt_recovered(self, row: InodeRow, pinned: set[int], backing: BackingFile | None) -> None:
+        """After a restart: hold the pins of a staged file recovered from its backing file or spill.
+
+        ``pinned``: the chunk indexes recovery pinned; ``backing``: the
+        backing file the previous run left for it.
+        """
         node = self._inodes.get(row.ino)
         if node is None:
             node = self._inodes[row.ino] = Inode(row)
-        content = FileContent.from_manifest(row.size, row.manifest, pinned=True)
-        # Recovery pinned exactly the chunks found in the spill store.  The
-        # others are unchanged since the last durable version (or lost): they
-        # hold no pin, and unpinning them at durable/broken raised "unpin
-        # without pin", which skipped the rest of the unpins and the wake-up.
-        for slot in content.slots:
-            if slot is not None and (slot.key is None or slot.key not in self.pool.spill):
-                slot.pinned = False
+        content = FileContent.from_manifest(row.size, row.manifest)
+        # Recovery pinned exactly the chunks it found.  The others are
+        # unchanged since the last durable version (or lost): they hold no pin.
+        keys = chunk.unpack_manifest(row.manifest or b"")
+        node.pins.append(VersionPins(row.version, [keys[i] for i in sorted(pinned)]))
+        if backing is not None:
+            content.backing = backing
+            backing.users += 1
         node.content = content
 
     async def wait_durable(self, ino: int) -> None:

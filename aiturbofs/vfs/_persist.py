@@ -35,8 +35,6 @@ from .. import chunk
 from .._errors import (
     AiturboError,
     BackendError,
-    BackendNotFound,
-    BackendUnreachable,
     IntegrityError,
     MetaUnavailable,
     NotFound,
@@ -48,7 +46,6 @@ from .._errors import (
     TransientBackendError,
 )
 from .._limits import (
-    BACKEND_CHECK_TIMEOUT_S,
     CHUNK_BYTES,
     CLUSTER_SOURCE_POLL_S,
     CLUSTER_SOURCE_WAIT_S,
@@ -62,15 +59,14 @@ from .._limits import (
     PERSIST_PARTS_UNPOOLED_MAX,
     PERSIST_SPARE_FILES_MAX,
     PERSIST_WIDE_PARTS_IN_FLIGHT,
-    READ_BACKEND_TIMEOUT_S,
-    READ_RETRY_ATTEMPTS,
-    READ_RETRY_FIRST_S,
     RENAME_READDIR_BATCH_ENTRIES,
 )
 from .._nursery import open_nursery
 from ..backend import NodeAttrs, ObjectInfo
 from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED
+from ..staging import content_key_of
 from ._cluster import CopySource, PersistHints
+from ._content import room
 
 log = logging.getLogger(__name__)
 
@@ -154,11 +150,9 @@ class Persister:
         self.bytes_copied = 0  # materialised by server-side copy (dedup), not sent
         self.bytes_uploaded_for_peers = 0  # parts of other nodes' uploads sent from here
         self.bytes_uploaded = 0
-        self.bytes_fetched = 0
         self.files_durable = 0
         self.files_broken = 0
         self.retries = 0
-        self.read_retries = 0  # backend reads retried for a reader (read_range)
         # Set (and replaced) whenever a file became durable: jobs sleeping in
         # backoff then retry at once instead of at the end of a sleep that may
         # have grown to PERSIST_BACKOFF_MAX_S while the backend was down.
@@ -395,16 +389,41 @@ class Persister:
 
     # ------------------------------------------------------------- recovery
     async def recover(self) -> None:
-        """After a restart: resume persists whose chunks survived in spill."""
+        """After a restart: resume persists whose chunks survived in backing files or spill.
+
+        A chunk counts as found where its bytes hash (BLAKE3) to the
+        manifest: in the file's own backing file, the spill store, or (a
+        chunk deduplicated into another file's range) another backing file
+        the previous run left.
+        """
         cluster = self.fs.cluster
+        staging = self.fs.staging
+        rows = []
         for row in await self.meta.inodes_in_states([STATE_STAGED, STATE_PERSISTING]):
             if not self._mine(row):
                 continue  # another node's file (shared metadata)
             if not stat.S_ISREG(row.mode):
                 self.enqueue(row.ino)  # a node: everything it needs is in its row
                 continue
-            keys = [k for k in chunk.unpack_manifest(row.manifest or b"") if k != chunk.HOLE]
-            missing = [k for k in keys if k not in self.pool.spill]
+            rows.append(row)
+        held: list[bytes] = []
+        wanted = {}  # key -> length, of chunks in no row's own range
+        for row in rows:
+            backing = staging.existing(row.ino)
+            for index, k in enumerate(chunk.unpack_manifest(row.manifest or b"")):
+                if k == chunk.HOLE or self.pool.has(k) or k in self.pool.spill:
+                    continue
+                length = chunk.chunk_length(row.size, index)
+                if backing is None or not await self._recover_range(backing, index, k, length, held):
+                    wanted[k] = length
+        for ino in sorted(staging.found - {row.ino for row in rows}):
+            if not wanted:
+                break
+            await self._recover_from_orphan(staging.file(ino), wanted, held)
+        for row in rows:
+            keys = chunk.unpack_manifest(row.manifest or b"")
+            present = [k for k in keys if k != chunk.HOLE]
+            missing = [k for k in present if not self.pool.has(k) and k not in self.pool.spill]
             if cluster is not None and missing and any(h != cluster.node for h in row.holders):
                 log.info("recovering ino=%d from=replicas chunks=%d", row.ino, len(missing))
                 missing = []
@@ -412,20 +431,61 @@ class Persister:
                 continue
             if missing and not row.backend_keys:
                 await self.meta.set_state(row.ino, STATE_BROKEN)
-                self._record_broken(await self._name(row.ino), f"{len(missing)} of its {len(keys)} chunk(s) "
-                                    "were only in DRAM when the daemon stopped")
+                self._record_broken(await self._name(row.ino), f"{len(missing)} of its {len(present)} chunk(s) "
+                                    "were lost when the daemon stopped (not in its backing file, nor in spill)")
                 continue
-            for k in keys:
-                if k in self.pool.spill:
-                    self.pool.recover_spilled(k)
-            self.fs.adopt_recovered(row)
-            log.info("recovered ino=%d size=%d from=spill (persisting it)", row.ino, row.size)
+            pinned = set()
+            for index, k in enumerate(keys):
+                if k == chunk.HOLE:
+                    continue
+                if self.pool.has(k):
+                    self.pool.pin(k)
+                elif not self.pool.recover_spilled(k):
+                    continue
+                pinned.add(index)
+            self.fs.adopt_recovered(row, pinned, staging.existing(row.ino))
+            log.info("recovered ino=%d size=%d chunks=%d of %d (persisting it)", row.ino, row.size, len(pinned), len(present))
             self.enqueue(row.ino)
+        for k in held:
+            self.pool.hold(k, -1)
         for row in await self.meta.orphans():
             self.enqueue(row.ino, moved=True)
         for k in self.pool.spill.keys():
             if not self.pool.pinned(k):
                 self.pool.spill.discard(k)
+        staging.sweep()
+
+    async def _recover_range(self, backing, index: int, key: bytes, length: int, held: list[bytes]) -> bool:
+        """Take chunk ``index`` of a backing file the previous run left if it still holds ``key``."""
+        rng = backing.range(index)
+        if rng.entry is not None:
+            return False
+        try:
+            found = await trio.to_thread.run_sync(content_key_of, backing.path, rng.offset, length)
+        except OSError as exc:
+            log.warning("recovery: cannot read %s: %s", backing.path, exc)
+            return False
+        if found != key or self.pool.has(key):
+            return found == key
+        charge = room(length, index)
+        self.pool.count_recovered(charge)
+        self.pool.adopt_range(key, rng, length, charge, pin=False)
+        self.pool.hold(key, +1)  # until the rows that need it are pinned
+        held.append(key)
+        return True
+
+    async def _recover_from_orphan(self, backing, wanted: dict, held: list[bytes]) -> None:
+        """Look for ``wanted`` chunks in the backing file of a file removed before the crash."""
+        lengths = set(wanted.values())
+        for index in range(chunk.chunk_count(backing.size)):
+            for length in lengths:
+                try:
+                    found = await trio.to_thread.run_sync(content_key_of, backing.path, index * CHUNK_BYTES, length)
+                except OSError:
+                    return
+                if wanted.get(found) == length and await self._recover_range(backing, index, found, length, held):
+                    del wanted[found]
+                    break
 
     async def _recover_from_backend(self, row) -> bool:
         """Mark ``row`` durable if one of its names in the backend holds exactly
@@ -459,7 +519,7 @@ class Persister:
             return None
         keys = chunk.unpack_manifest(row.manifest or b"")
         for index in range(chunk.chunk_count(row.size)):
-            data = await self.read_range(key, index * CHUNK_BYTES, chunk.chunk_length(row.size, index))
+            data = await self.fs.fetcher.read_range(key, index * CHUNK_BYTES, chunk.chunk_length(row.size, index))
             if index >= len(keys) or await trio.to_thread.run_sync(chunk.content_key, data) != keys[index]:
                 return None
         return info
@@ -556,16 +616,6 @@ class Persister:
         self._record_broken(name, why)
         row = await self.meta.get_inode(ino)
         await self.fs.on_persisted(ino, row)
-        self._release_pins(ino, row)
-
-    def _release_pins(self, ino: int, row) -> None:
-        node = self.fs._cached(ino)
-        if node is None or node.content is None or node.content.dirty:
-            return
-        for slot in node.content.slots:
-            if slot is not None and slot.pinned:
-                self.pool.unpin(slot.key)
-                slot.pinned = False
 
     async def _reconcile(self, ino: int) -> None:
         while True:
@@ -940,7 +990,7 @@ class Persister:
                     continue  # zeros already
                 n = chunk.chunk_length(row.size, i)
                 at = (i - first) * CHUNK_BYTES
-                fetch = functools.partial(self._fetch_previous, row, i, key, n)
+                fetch = functools.partial(self.fs.fetcher.previous, row, i, key, n)
                 async with self._part_memory(key), self.pool.lease(key, fetch) as view:
                     buf[at:at + n] = view
             await upload.write_part(index, buf)
@@ -983,7 +1033,7 @@ class Persister:
                     return
                 if await self._remote_part(upload, row, parts, index, key, length):
                     return
-            lease = self.pool.lease(key, lambda: self._fetch_previous(row, index, key, length))
+            lease = self.pool.lease(key, lambda: self.fs.fetcher.previous(row, index, key, length))
             async with self._part_memory(key), lease as view:
                 await upload.write_part(index, view)
             self.bytes_uploaded += length
@@ -993,8 +1043,8 @@ class Persister:
     @asynccontextmanager
     async def _part_memory(self, key: bytes):
         """Hold one of PERSIST_PARTS_UNPOOLED_MAX slots if ``key`` must be read back into memory."""
-        if self.pool.view(key) is not None:
-            yield  # in DRAM: uploaded from the pool's own buffer
+        if self.pool.has(key):
+            yield  # in DRAM: uploaded from the pool's own memory
             return
         async with self._unpooled_parts:
             yield
@@ -1110,103 +1160,6 @@ class Persister:
         """
         if self.fs.cluster is not None:
             await self.meta.forget_chunk_sources(key)
-
-    async def _from_peers(self, row, key: bytes) -> bytes | None:
-        cluster = self.fs.cluster
-        if cluster is None or not row.holders:
-            return None
-        others = [h for h in row.holders if h != cluster.node]
-        return await cluster.fetch(key, others) if others else None
-
-    async def _fetch_previous(self, row, index: int, key: bytes, length: int) -> bytes:
-        """A chunk the pool no longer has: from a peer's pool or the previous backend version."""
-        data = await self._from_peers(row, key)
-        if data is not None:
-            return data
-        if not row.backend_keys:
-            raise IntegrityError(f"chunk {index} of inode {row.ino} is in neither DRAM, spill nor the backend")
-        return await self._read_verified(row.backend_keys, index, key, length)
-
-    async def fetch_chunk(self, ino: int, index: int, key: bytes, length: int) -> bytes:
-        """Read path: a sealed chunk missing from the pool, from a peer or the backend."""
-        cluster = self.fs.cluster
-        if cluster is not None:
-            data = await cluster.round_fetch(ino, key)  # a grouped read: from our chain predecessor
-            if data is not None:
-                return data
-        row = await self.meta.get_inode(ino)
-        data = await self._from_peers(row, key)  # the distributed cache: holders' DRAM before storage
-        if data is not None:
-            return data
-        if not row.backend_keys:
-            raise IntegrityError(f"chunk {index} of inode {ino} is in neither DRAM, spill nor the backend")
-        try:
-            return await self._read_verified(row.backend_keys, index, key, length)
-        except IntegrityError:
-            # A rename may be moving the object right now: it lands at one of
-            # the file's current names before its keys are recorded.  Reads
-            # are verified, so trying those names cannot return other bytes.
-            latest = await self.meta.get_inode(ino)
-            paths = await self.meta.paths_of(ino)
-            again = [k for k in dict.fromkeys([*latest.backend_keys, *paths]) if k not in row.backend_keys]
-            if not again:
-                raise
-            return await self._read_verified(again, index, key, length)
-
-    async def read_range(self, key: str, offset: int, length: int) -> bytes:
-        """``backend.read_range`` for a reader: transient errors are retried a few times.
-
-        The backend layer never retries (the persister owns upload retries);
-        a reader blocked on a chunk gets READ_RETRY_ATTEMPTS tries, backing
-        off, within READ_BACKEND_TIMEOUT_S in all, before the error reaches it
-        as EIO.  One 503 must not fail a read, and a backend that stopped
-        answering must not hold it for minutes: while the backend is
-        unavailable a read gets one try of at most BACKEND_CHECK_TIMEOUT_S.
-        Raises ``TransientBackendError``; ``BackendUnreachable`` (no answer
-        at all) also marks the backend unavailable.
-        """
-        health = self.fs.health
-        attempts, timeout_s = ((READ_RETRY_ATTEMPTS, READ_BACKEND_TIMEOUT_S) if health.available
-                               else (1, BACKEND_CHECK_TIMEOUT_S))
-        try:
-            with trio.fail_after(timeout_s):
-                data = await self._read_with_retries(key, offset, length, attempts)
-        except trio.TooSlowError:
-            exc = BackendUnreachable(f"read {key!r}: no answer within {timeout_s:g} s")
-            health.mark_down(str(exc))
-            raise exc from None
-        except BackendUnreachable as exc:
-            health.mark_down(str(exc))
-            raise
-        health.mark_up()
-        return data
-
-    async def _read_with_retries(self, key: str, offset: int, length: int, attempts: int) -> bytes:
-        backoff = READ_RETRY_FIRST_S
-        for attempt in range(1, attempts + 1):
-            try:
-                return await self.backend.read_range(key, offset, length)
-            except TransientBackendError as exc:
-                if attempt == attempts:
-                    raise
-                self.read_retries += 1
-                log.info("read_retry key=%s offset=%d error=%r retry_in_s=%.1f", key, offset, str(exc), backoff)
-                await trio.sleep(_jittered(backoff))
-                backoff *= 2
-        raise AssertionError("unreachable")
-
-    async def _read_verified(self, backend_keys: list[str], index: int, key: bytes, length: int) -> bytes:
-        last: Exception | None = None
-        for bkey in backend_keys:
-            try:
-                data = await self.read_range(bkey, index * CHUNK_BYTES, length)
-                chunk.verify(data, key, f"{bkey} chunk {index}")
-                self.bytes_fetched += len(data)
-                return data
-            except (IntegrityError, BackendNotFound) as exc:
-                log.error("%s", exc)
-                last = exc
-        raise IntegrityError(str(last))
 
     async def _relocate(self, row, paths: list[str]) -> bool:
         """Renamed or linked: move/copy the durable object, no re-upload.

@@ -1,0 +1,255 @@
+"""Backing files: where the bytes of files being written, or cached, live.
+
+Each regular file whose bytes are on this node has one backing file,
+``DIR/<ino>``, in the staging area (by default a directory on the DRAM tmpfs
+``/dev/shm``, so it costs DRAM, not disk).  Chunk ``i`` of the file is the
+byte range ``[i * CHUNK_BYTES, (i + 1) * CHUNK_BYTES)`` of its backing file:
+a ``Range``.  Writes are ``pwrite`` into it, reads ``pread`` from it; ranges
+never written are holes and read as zeros, and a range whose bytes are no
+longer wanted is hole-punched, which gives its memory back.
+
+The staging area outlives the daemon: after a kill -9 the next start finds
+the backing file of every staged file and recovers the chunks that still
+hash to the manifest.  A host reboot empties a tmpfs (see docs/design.md,
+"What a crash can lose").
+
+This module knows nothing of the pool or of manifests: it keeps files and
+ranges.  A range records which pool entry, if any, has its bytes there
+(``Range.entry``), so the pool and the file that owns the range agree on
+who may change it.  Everything runs on the trio thread; reads and writes of
+a tmpfs are memory copies, which cost less than a thread hop.
+"""
+
+import collections
+import ctypes
+import errno
+import logging
+import mmap
+import os
+from typing import Any
+
+from .. import chunk
+from .._limits import BACKING_FDS_OPEN_MAX, CHUNK_BITS, CHUNK_BYTES
+
+log = logging.getLogger(__name__)
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Free ``[offset, offset + length)`` of ``fd``: it reads as zeros afterwards."""
+    if length <= 0:
+        return
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        e = ctypes.get_errno()
+        if e not in (errno.EOPNOTSUPP, errno.ENOSYS):
+            raise OSError(e, os.strerror(e))
+        # a filesystem without hole punching: write zeros (the memory stays used)
+        os.pwrite(fd, bytes(length), offset)
+
+
+def content_key_of(path: str, offset: int, length: int) -> bytes:
+    """``chunk.content_key`` of ``length`` bytes of ``path`` from ``offset`` (for a worker thread).
+
+    Hashed from a read-only map of the file: no copy.  It opens the file
+    itself (the trio thread may close its descriptor meanwhile); a file
+    shorter than the range is hashed as if padded with zeros.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        have = max(0, min(length, os.fstat(fd).st_size - offset))
+        if not have:
+            return chunk.content_key(bytes(length))
+        with mmap.mmap(fd, have, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=offset) as m:
+            view = memoryview(m)
+            try:
+                if have == length:
+                    return chunk.content_key(view)
+                return chunk.content_key(bytes(view) + bytes(length - have))
+            finally:
+                view.release()
+    finally:
+        os.close(fd)
+
+
+class Range:
+    """Chunk ``index`` of a backing file."""
+
+    __slots__ = ("file", "index", "entry")
+
+    def __init__(self, file: "BackingFile", index: int):
+        self.file = file
+        self.index = index
+        # The pool entry whose bytes are here (staging._pool.Entry), or None:
+        # then the range belongs to its file's open slot, or holds nothing.
+        self.entry: Any = None
+
+    @property
+    def offset(self) -> int:
+        return self.index << CHUNK_BITS
+
+    def pread(self, start: int, count: int) -> bytes:
+        """``count`` bytes from ``start``; the part past the file's end reads as zeros."""
+        data = os.pread(self.file.fd(), count, self.offset + start)
+        if len(data) < count:
+            data += bytes(count - len(data))
+        return data
+
+    def pwrite(self, start: int, data) -> None:
+        """Write ``data`` at ``start``; raises OSError (ENOSPC of a full tmpfs)."""
+        fd = self.file.fd()
+        view = memoryview(data)
+        at = self.offset + start
+        while view:
+            n = os.pwrite(fd, view, at)
+            view, at = view[n:], at + n
+
+    def ensure_length(self, length: int) -> None:
+        """Make the file reach ``length`` bytes into the range (a hole if it did not), so a map of it is whole."""
+        fd = self.file.fd()
+        if os.fstat(fd).st_size < self.offset + length:
+            os.ftruncate(fd, self.offset + length)
+
+    def map(self, length: int) -> mmap.mmap:
+        """The first ``length`` bytes as a read-only map: a view without a copy (for a lease).
+
+        The caller has made sure the file reaches that far (``ensure_length``);
+        backing files never shrink, so the map never faults past the end.
+        A punched hole reads as zeros: leases keep the pool from punching.
+        """
+        return mmap.mmap(self.file.fd(), length, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                         prot=mmap.PROT_READ, offset=self.offset)
+
+    def punch(self, start: int = 0) -> None:
+        """Drop the bytes from ``start`` to the end of the chunk."""
+        punch_hole(self.file.fd(), self.offset + start, CHUNK_BYTES - start)
+
+
+class BackingFile:
+    """One file's bytes, chunk by chunk (see module doc)."""
+
+    __slots__ = ("area", "ino", "path", "_ranges", "users")
+
+    def __init__(self, area: "BackingArea", ino: int):
+        self.area = area
+        self.ino = ino
+        self.path = os.path.join(area.directory, str(ino))
+        self._ranges: dict[int, Range] = {}
+        self.users = 0  # FileContents holding it (the pool's entries are counted by their ranges)
+
+    def range(self, index: int) -> Range:
+        r = self._ranges.get(index)
+        if r is None:
+            r = self._ranges[index] = Range(self, index)
+        return r
+
+    def ranges(self) -> list[Range]:
+        return list(self._ranges.values())
+
+    def fd(self) -> int:
+        return self.area._fd(self)
+
+    @property
+    def size(self) -> int:
+        try:
+            return os.fstat(self.fd()).st_size
+        except FileNotFoundError:
+            return 0
+
+    @property
+    def in_use(self) -> bool:
+        return self.users > 0 or any(r.entry is not None for r in self._ranges.values())
+
+
+class BackingArea:
+    """The directory of backing files (created 0700 if missing).
+
+    Files found there at start are the previous run's: ``found`` lists their
+    inode numbers for recovery, which keeps what it needs and calls
+    ``sweep`` to remove the rest.
+    """
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self._files: dict[int, BackingFile] = {}
+        self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()  # ino -> fd, LRU first
+        self.found: set[int] = set()
+        for name in os.listdir(directory):
+            if name.isdigit():
+                self.found.add(int(name))
+            else:
+                log.warning("staging: ignoring foreign file %s in %s", name, directory)
+
+    def file(self, ino: int) -> BackingFile:
+        """The backing file of inode ``ino`` (made on first write)."""
+        f = self._files.get(ino)
+        if f is None:
+            f = self._files[ino] = BackingFile(self, ino)
+        return f
+
+    def existing(self, ino: int) -> BackingFile | None:
+        """The backing file a previous run left for ``ino``, if any."""
+        return self.file(ino) if ino in self.found else None
+
+    def _fd(self, f: BackingFile) -> int:
+        fd = self._fds.get(f.ino)
+        if fd is not None:
+            self._fds.move_to_end(f.ino)
+            return fd
+        while len(self._fds) >= BACKING_FDS_OPEN_MAX:
+            _ino, old = self._fds.popitem(last=False)
+            os.close(old)
+        fd = os.open(f.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._fds[f.ino] = fd
+        return fd
+
+    def release(self, f: BackingFile) -> None:
+        """Remove ``f`` once nothing uses it any more."""
+        if f.in_use or self._files.get(f.ino) is not f:
+            return
+        del self._files[f.ino]
+        fd = self._fds.pop(f.ino, None)
+        if fd is not None:
+            os.close(fd)
+        self.found.discard(f.ino)
+        try:
+            os.unlink(f.path)
+        except FileNotFoundError:
+            pass
+
+    def sweep(self) -> None:
+        """After recovery: remove what the previous run left that nothing took."""
+        for ino in list(self.found):
+            self.release(self.file(ino))
+
+    def bytes_allocated(self) -> int:
+        """What the backing files hold (st_blocks), for status."""
+        total = 0
+        for f in self._files.values():
+            try:
+                total += os.stat(f.path).st_blocks * 512
+            except FileNotFoundError:
+                pass
+        return total
+
+    def remove_all(self) -> None:
+        """At a clean exit with everything durable: remove every backing file and the directory."""
+        self.close()
+        self._files.clear()
+        self.found.clear()
+        for name in os.listdir(self.directory):
+            if name.isdigit():
+                os.unlink(os.path.join(self.directory, name))
+        try:
+            os.rmdir(self.directory)
+        except OSError:
+            pass  # foreign files: left where they are
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
