@@ -152,6 +152,8 @@ def stop_aiturbofs(m: Mount) -> None:
     except Exception as exc:  # noqa: BLE001 - a failed drain must not leave the mount
         print(f"warning: aiturbofs stop: {exc!r}", file=sys.stderr)
         m.kill()
+    finally:
+        m.wipe_staging()  # a benchmark's staged bytes must not outlive it in DRAM
 
 
 def aiturbo_state(path: str) -> str:

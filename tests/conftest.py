@@ -2,7 +2,7 @@ import os
 import shutil
 
 import pytest
-from mounting import Mount
+from mounting import Mount, wipe_staging
 
 from aiturbofs.node._paths import default_staging_dir
 
@@ -26,7 +26,7 @@ def _remove_staging_dirs():
     yield
     if os.path.isdir(STAGING_ROOT):
         for name in set(os.listdir(STAGING_ROOT)) - before:
-            shutil.rmtree(os.path.join(STAGING_ROOT, name), ignore_errors=True)
+            wipe_staging(os.path.join(STAGING_ROOT, name))
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ and lazily unmounts, so a failing test never leaves a mount behind.
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,11 +88,22 @@ class Mount:
             self._log.close()
             self._log = None
 
+    def wipe_staging(self) -> None:
+        """What a host reboot does to the staging dir on the DRAM tmpfs: its bytes are gone."""
+        wipe_staging(self.staging_dir)
+
     def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def wipe_staging(path: str) -> None:
+    """Remove a staging dir, unmounting the tmpfs the daemon mounted there (lazily: a killed daemon left it)."""
+    if is_mounted(os.path.abspath(path)):
+        subprocess.run(["umount", "-l", path], check=False, capture_output=True)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def aiturbo(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:

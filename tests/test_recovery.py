@@ -209,7 +209,7 @@ def test_host_reboot_without_spill_reports_broken_never_other_bytes(s3m):
     m = s3m.mount(**NO_REIMPORT)
     keep, v1, lost, _v2 = write_while_frozen(s3m, m)
     m.kill()
-    shutil.rmtree(m.staging_dir)  # what a reboot does to /dev/shm
+    m.wipe_staging()  # what a reboot does to the DRAM tmpfs
     s3m.server.thaw()
     m2 = remount(s3m, m)
     for name in lost:
@@ -257,7 +257,7 @@ def snapshot_db(m, dest: str) -> None:
 def power_cut(m) -> None:
     """The host goes down: the daemon dies and the DRAM tmpfs with it."""
     m.kill()
-    shutil.rmtree(m.staging_dir, ignore_errors=True)
+    m.wipe_staging()
 
 
 def restore_db(m, snapshot: str) -> None:

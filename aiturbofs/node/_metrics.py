@@ -67,7 +67,7 @@ class NodeCollector:
     def _pool(self):
         s = self.pool.stats()
         g = _gauge("aiturbo_pool_bytes", "Bytes of the DRAM staging pool by state: dirty (not yet durable), "
-                   "clean (read cache), open (chunks being written), free (warm recycled buffers), "
+                   "clean (read cache), open (chunks being written), free (recycled buffers), "
                    "spilled (copies on the spill disk)", labels=["state"])
         for state in ("dirty", "clean", "open", "free", "spilled"):
             g.add_metric([state], getattr(s, f"{state}_bytes"))
@@ -76,6 +76,8 @@ class NodeCollector:
         yield _gauge("aiturbo_pool_budget_bytes", "The DRAM pool's byte budget (-o dram)", s.budget_bytes)
         yield _gauge("aiturbo_pool_pinned_chunks", "Chunks that must not be lost (not yet durable)", s.pinned_chunks)
         yield _gauge("aiturbo_pool_waiting_writers", "Writers waiting for pool memory (backpressure)", s.waiting_writers)
+        yield _gauge("aiturbo_staging_allocated_bytes", "Bytes the backing files in the staging dir allocate "
+                     "(DRAM when it is a tmpfs)", self.fs.staging.bytes_allocated())
 
     def _persist(self):
         p = self.fs.persister

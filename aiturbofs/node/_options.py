@@ -38,8 +38,9 @@ IGNORED = {
 OPTIONS = {
     "dram": ("size", "DRAM staging pool budget, e.g. 64G (default: a quarter of RAM)"),
     "spill": ("path", "local disk dir: staged chunks are copied there in the background (crash-safe) and dropped from DRAM under pressure"),
-    "staging": ("path", "dir of the backing files that hold staged and cached bytes; a tmpfs keeps them in DRAM "
-                        "and across a daemon crash (default /dev/shm/aiturbofs/<id of the state dir>)"),
+    "staging": ("path", "dir of the backing files that hold staged and cached bytes, kept in DRAM and across a "
+                        "daemon crash (default /dev/shm/aiturbofs/<id of the state dir>, a tmpfs of its own with huge "
+                        "pages when run as root)"),
     "state_dir": ("path", "local state (SQLite metadata, default spill, log); default /var/lib/aiturbo/<mount id>"),
     "fsync": ("choice:staged|durable", "what fsync waits for: staged (DRAM, default) or durable (backend)"),
     "sync_close": ("flag", "close() waits until the file is durable (write-through)"),

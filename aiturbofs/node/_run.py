@@ -30,6 +30,7 @@ from .._limits import (
     METRICS_NODE_ADDRESS_DEFAULT,
     READ_AHEAD_KB,
     SESSION_END_GRACE_S,
+    STAGING_SLACK_BYTES_MIN,
     UNMOUNT_POLL_S,
 )
 from .._nursery import open_nursery
@@ -178,7 +179,8 @@ async def _main(cfg: NodeConfig, state_dir: str, ready: ReadyPipe) -> int:
     backend = await backend_mod.open_backend(cfg.backend, dict(cfg.backend_options), check=False)
     spill = SpillStore(cfg.spill or os.path.join(state_dir, "spill"))
     pool = StagingPool(cfg.dram_bytes, spill, eager_spill=cfg.spill is not None)
-    staging = BackingArea(cfg.staging or default_staging_dir(state_dir))
+    staging = BackingArea(cfg.staging or default_staging_dir(state_dir),
+                          tmpfs_bytes=None if cfg.staging else _staging_tmpfs_bytes(cfg.dram_bytes))
     _check_staging_room(staging.directory, cfg.dram_bytes)
     cluster = _cluster_node(cfg, meta, pool)
     try:
@@ -188,6 +190,11 @@ async def _main(cfg: NodeConfig, state_dir: str, ready: ReadyPipe) -> int:
             return await _serve(cfg, state_dir, ready, meta, backend, pool, spill, staging, cluster)
     finally:
         staging.close()
+
+
+def _staging_tmpfs_bytes(dram_bytes: int) -> int:
+    """The size of the staging tmpfs: the budget, plus room for what the accounting rounds (and recovery) over it."""
+    return dram_bytes + max(STAGING_SLACK_BYTES_MIN, dram_bytes // 8)
 
 
 def _check_staging_room(directory: str, dram_bytes: int) -> None:

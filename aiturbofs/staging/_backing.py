@@ -35,8 +35,41 @@ log = logging.getLogger(__name__)
 
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
+_MS_NOSUID, _MS_NODEV, _MS_REMOUNT = 0x2, 0x4, 0x20
+_MNT_DETACH = 0x2
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+
+
+def is_mount_point(path: str) -> bool:
+    path = os.path.abspath(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == path for line in f)
+
+
+def mount_tmpfs(directory: str, size_bytes: int) -> str | None:
+    """Mount a tmpfs of ``size_bytes`` with huge pages on ``directory``; None if done, else why not.
+
+    Huge pages (``huge=within_size``) make writes into fresh pages about 4x
+    faster than a plain tmpfs (one allocation per 2 MiB instead of per
+    4 KiB).  A mount a crashed run left is kept (its files are the staged
+    data) and resized.  Needs CAP_SYS_ADMIN.
+    """
+    opts = f"size={size_bytes},huge=within_size,mode=0700".encode()
+    if is_mount_point(directory):
+        if _libc.mount(b"aiturbofs-staging", directory.encode(), b"tmpfs", _MS_REMOUNT | _MS_NOSUID | _MS_NODEV, opts):
+            log.warning("staging tmpfs at %s kept at its old size: %s", directory, os.strerror(ctypes.get_errno()))
+        return None
+    if _libc.mount(b"aiturbofs-staging", directory.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts):
+        return os.strerror(ctypes.get_errno())
+    return None
+
+
+def unmount(directory: str) -> None:
+    if is_mount_point(directory) and _libc.umount2(directory.encode(), _MNT_DETACH):
+        log.warning("could not unmount the staging tmpfs %s: %s", directory, os.strerror(ctypes.get_errno()))
 
 
 def punch_hole(fd: int, offset: int, length: int) -> None:
@@ -107,6 +140,14 @@ class Range:
             n = os.pwrite(fd, view, at)
             view, at = view[n:], at + n
 
+    def open_for_writing(self) -> None:
+        """A whole chunk is about to be written: let the file reach its end, so huge pages back it.
+
+        A tmpfs with ``huge=within_size`` allocates a 2 MiB page only inside
+        the file's size; an appending writer would otherwise get 4 KiB ones.
+        """
+        self.ensure_length(CHUNK_BYTES)
+
     def ensure_length(self, length: int) -> None:
         """Make the file reach ``length`` bytes into the range (a hole if it did not), so a map of it is whole."""
         fd = self.file.fd()
@@ -169,12 +210,20 @@ class BackingArea:
 
     Files found there at start are the previous run's: ``found`` lists their
     inode numbers for recovery, which keeps what it needs and calls
-    ``sweep`` to remove the rest.
+    ``sweep`` to remove the rest.  With ``tmpfs_bytes`` the directory gets a
+    tmpfs of its own, with huge pages (``mount_tmpfs``), where the daemon
+    may mount; else it is used as it is.
     """
 
-    def __init__(self, directory: str):
-        self.directory = directory
+    def __init__(self, directory: str, *, tmpfs_bytes: int | None = None):
+        self.directory = os.path.abspath(directory)
         os.makedirs(directory, mode=0o700, exist_ok=True)
+        self.tmpfs = False
+        if tmpfs_bytes:
+            why = mount_tmpfs(self.directory, tmpfs_bytes)
+            self.tmpfs = why is None
+            if why is not None:
+                log.info("staging dir %s: no tmpfs of its own (%s); using it as it is", self.directory, why)
         self._files: dict[int, BackingFile] = {}
         self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()  # ino -> fd, LRU first
         self.found: set[int] = set()
@@ -244,6 +293,8 @@ class BackingArea:
         for name in os.listdir(self.directory):
             if name.isdigit():
                 os.unlink(os.path.join(self.directory, name))
+        if self.tmpfs:
+            unmount(self.directory)
         try:
             os.rmdir(self.directory)
         except OSError:

@@ -78,8 +78,8 @@ class PoolStats:
     used_bytes: int
     dirty_bytes: int  # pinned entries in memory
     clean_bytes: int  # unpinned entries in memory (read cache)
-    open_bytes: int  # buffers of chunks being written
-    free_bytes: int  # recycled buffers kept warm
+    open_bytes: int  # reserved ranges of chunks being written
+    free_bytes: int  # recycled buffers kept for reuse
     spilled_bytes: int  # on the spill disk
     pinned_chunks: int
     waiting_writers: int

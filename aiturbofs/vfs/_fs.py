@@ -837,6 +837,8 @@ class Filesystem:
                 if charge < need:
                     await self._reserve(content, index, need - charge)
                     charge = need
+                if charge >= CHUNK_BYTES:
+                    rng.open_for_writing()
                 # A truncate (which takes no lock) may have shortened the slots while we waited.
                 content.ensure_slots(index)
                 slot = content.slots[index]  # may have changed while we waited
