@@ -2,9 +2,7 @@ import os
 import shutil
 
 import pytest
-from mounting import Mount, wipe_staging
-
-from aiturbofs.node._paths import default_staging_dir
+from mounting import STAGING_DIRS, Mount, wipe_staging
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
@@ -16,17 +14,16 @@ def pytest_configure(config):
         raise pytest.UsageError(f"FUSE is needed for the tests: missing {missing or '/dev/fuse'} (apt-get install fuse3)")
 
 
-STAGING_ROOT = os.path.dirname(default_staging_dir("/"))
-
-
 @pytest.fixture(autouse=True)
 def _remove_staging_dirs():
-    """Remove the staging dirs (on the DRAM tmpfs) that the test's mounts left: a crash test leaves its own."""
-    before = set(os.listdir(STAGING_ROOT)) if os.path.isdir(STAGING_ROOT) else set()
+    """Remove the staging dirs (on the DRAM tmpfs) of the test's mounts: a crash test leaves its own.
+
+    Only the dirs of this session's mounts: another test session on the
+    machine has its own there.
+    """
     yield
-    if os.path.isdir(STAGING_ROOT):
-        for name in set(os.listdir(STAGING_ROOT)) - before:
-            wipe_staging(os.path.join(STAGING_ROOT, name))
+    while STAGING_DIRS:
+        wipe_staging(STAGING_DIRS.pop())
 
 
 @pytest.fixture

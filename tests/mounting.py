@@ -16,6 +16,7 @@ import time
 from aiturbofs.node._paths import default_staging_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGING_DIRS: set[str] = set()  # of every Mount made: conftest removes them after each test
 
 
 def is_mounted(path: str) -> bool:
@@ -33,6 +34,7 @@ class Mount:
         self.proc: subprocess.Popen | None = None
         # the daemon's default: a dir on the DRAM tmpfs named after the state dir
         self.staging_dir = self.options.get("staging") or default_staging_dir(state_dir)
+        STAGING_DIRS.add(self.staging_dir)
         self.log_path = os.path.join(os.path.dirname(state_dir.rstrip("/")), os.path.basename(state_dir.rstrip("/")) + ".log")
 
     def option_string(self) -> str:

@@ -245,6 +245,12 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
         try:
             with session.scope:
                 await pyfuse3.main(max_tasks=FUSE_TASKS_MAX)
+        except* ConnectionAbortedError as group:
+            # The kernel aborted the connection (an admin wrote the
+            # connection's sysfs "abort" file): the mount is gone, the staged
+            # files are not, so drain them like at an unmount.
+            log.error("the kernel aborted the FUSE connection of %s (%s); draining what was staged",
+                      cfg.mountpoint, group.exceptions[0])
         finally:
             session.closed = True  # pyfuse3.terminate() on a closed session dereferences NULL
             pyfuse3.close(unmount=True)

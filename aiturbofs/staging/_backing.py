@@ -21,6 +21,7 @@ a tmpfs are memory copies, which cost less than a thread hop.
 """
 
 import collections
+import contextlib
 import ctypes
 import errno
 import logging
@@ -290,9 +291,14 @@ class BackingArea:
         self.close()
         self._files.clear()
         self.found.clear()
-        for name in os.listdir(self.directory):
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return  # removed by someone else meanwhile
+        for name in names:
             if name.isdigit():
-                os.unlink(os.path.join(self.directory, name))
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.directory, name))
         if self.tmpfs:
             unmount(self.directory)
         try:
