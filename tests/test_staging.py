@@ -305,3 +305,34 @@ def test_a_range_written_again_keeps_the_pinned_version_elsewhere(tmp_path):
         assert pool.used_bytes == 2 * CHUNK_BYTES  # the range (now the writer's) and the copy
 
     run(main)
+
+
+def test_a_fetch_finishing_while_its_file_writes_there_is_not_cached_in_the_range(tmp_path):
+    # A read-ahead of a chunk is in flight when a writer reopens that chunk:
+    # the fetched (old) bytes must not become a pool entry in the range the
+    # writer is about to change (the entry would then hold the new bytes
+    # under the old key, and its eviction would punch the writer's data).
+    async def main():
+        area = BackingArea(str(tmp_path / "staging"))
+        pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+        key, data = _chunk(4)
+        rng = area.file(3).range(2)
+        fetching = trio.Event()
+
+        async def fetch():
+            fetching.set()
+            await trio.sleep(0.05)
+            return bytes(data)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(lambda: pool.read(key, fetch, into=rng, count=0))
+            await fetching.wait()
+            charge, kept, _ = await pool.take_range(rng)  # the writer takes the range, as _writable_slot does
+            assert (charge, kept) == (0, None)
+            rng.writing = True
+        assert rng.entry is None  # cached elsewhere (a buffer) if at all, not in the writer's range
+        rng.pwrite(0, bytes([9]) * 4096)  # the writer's bytes
+        view = pool.view(key, 0, 4096)
+        assert view is None or bytes(view) == bytes(data[:4096])  # never the writer's bytes under the old key
+
+    run(main)

@@ -112,7 +112,7 @@ def content_key_of(path: str, offset: int, length: int) -> bytes:
 class Range:
     """Chunk ``index`` of a backing file."""
 
-    __slots__ = ("file", "index", "entry")
+    __slots__ = ("file", "index", "entry", "writing")
 
     def __init__(self, file: "BackingFile", index: int):
         self.file = file
@@ -120,6 +120,10 @@ class Range:
         # The pool entry whose bytes are here (staging._pool.Entry), or None:
         # then the range belongs to its file's open slot, or holds nothing.
         self.entry: Any = None
+        # Its file's open slot writes here: the pool must not cache a chunk
+        # in it (a read-ahead finishing meanwhile would register bytes the
+        # writer then changes).
+        self.writing = False
 
     @property
     def offset(self) -> int:

@@ -249,6 +249,7 @@ class StagingPool:
         is punched and its charge given back.
         """
         assert rng.entry is None, "a range holds one entry"
+        rng.writing = False
         e = self._entries.get(key)
         if e is not None and e.resident:
             self._punch(rng)
@@ -528,7 +529,7 @@ class StagingPool:
         cap = CHUNK_BYTES if n > CHUNK_BYTES // 2 else _small_capacity(n)
         if self.used_bytes + cap > self.budget_bytes and not self._evict_one() and not self._free:
             return
-        if into is not None and into.entry is None:
+        if into is not None and into.entry is None and not into.writing:
             if self.used_bytes + cap > self.budget_bytes:
                 if not self._free:
                     return

@@ -329,7 +329,9 @@ class Filesystem:
             if content is None and node is not None:
                 content = node.content
             if content is not None and content.backing is not None:
-                self._punch(content.range(index))
+                rng = content.range(index)
+                rng.writing = False
+                self._punch(rng)
             self.pool.unreserve(charge)
         elif slot.pinned:
             assert slot.key is not None  # a pin is on a sealed chunk
@@ -825,14 +827,12 @@ class Filesystem:
         async with content.lock:
             content.ensure_slots(index)
             slot = content.slots[index]
-            need = room(max(end, chunk.chunk_length(content.size, index)), index)
             if slot is not None and slot.is_open:
-                if slot.charge < need:
-                    await self._reserve(content, index, need - slot.charge)
-                    slot.charge = need
-                return slot
+                return await self._grow(content, index, slot, end)
+            need = room(max(end, chunk.chunk_length(content.size, index)), index)
             rng = self._backing(node, content).range(index)
             charge, kept, kept_length = await self.pool.take_range(rng)
+            rng.writing = True  # from now on no read-ahead caches a chunk here
             try:
                 if charge < need:
                     await self._reserve(content, index, need - charge)
@@ -845,7 +845,7 @@ class Filesystem:
                 if slot is not None and slot.is_open:
                     self.pool.unreserve(charge)
                     charge = 0
-                    return await self._writable_slot_locked_again(node, content, index, end)
+                    return await self._grow(content, index, slot, end)
                 valid = chunk.chunk_length(content.size, index)
                 if slot is not None and kept is not None and kept == self._cache_key(node, index, slot):
                     filled = min(kept_length, valid)
@@ -857,6 +857,7 @@ class Filesystem:
                     filled = await self._fill_from(node, content, index, slot, rng, valid)
             except BaseException:
                 self.pool.unreserve(charge)
+                rng.writing = False
                 raise
             content.ensure_slots(index)
             slot = content.slots[index]
@@ -869,10 +870,8 @@ class Filesystem:
             self._free_slot(slot, node, content=content, index=index)
             return new
 
-    async def _writable_slot_locked_again(self, node: Inode, content: FileContent, index: int, end: int) -> Slot:
-        """An open slot appeared while ``_writable_slot`` waited: give it room (the lock is held)."""
-        slot = content.slots[index]
-        assert slot is not None and slot.is_open
+    async def _grow(self, content: FileContent, index: int, slot: Slot, end: int) -> Slot:
+        """Room in open slot ``index`` for ``end`` bytes (and the chunk's current length)."""
         need = room(max(end, chunk.chunk_length(content.size, index)), index)
         if slot.charge < need:
             await self._reserve(content, index, need - slot.charge)
@@ -1171,8 +1170,11 @@ class Filesystem:
 
     def _cache_key(self, node: Inode, index: int, slot: Slot) -> bytes:
         """The pool key of a sealed or external slot's bytes."""
-        if slot.key is not None:
-            return slot.key
+        return slot.key if slot.key is not None else self._external_key(node, index)
+
+    @staticmethod
+    def _external_key(node: Inode, index: int) -> bytes:
+        """The pool key of chunk ``index`` of an object imported without a manifest (its name, etag and index)."""
         keys = node.row.backend_keys
         etag = (node.row.backend_etag or "").encode()
         # surrogateescape: keys of non-UTF-8 names hold lone surrogates
@@ -1184,7 +1186,7 @@ class Filesystem:
         keys = node.row.backend_keys
         if not keys:
             raise BrokenFile(f"inode {node.ino} has no data in the backend")
-        cache_key = self._cache_key(node, index, Slot())
+        cache_key = self._external_key(node, index)
 
         async def fetch() -> bytes:
             data = await self.fetcher.read_range(keys[0], index * CHUNK_BYTES, length)
