@@ -390,10 +390,17 @@ def _outside(path: str, root: str) -> bool:
 
 
 def _check_inside(directory: str, root: str) -> None:
-    """Refuse to write below a directory that a symlink leads out of the root."""
+    """Refuse to write below a directory that a symlink leads out of the root.
+
+    ENOTDIR (not a directory of the backend): the persister takes it as a
+    name in the way and waits, since the namespace reaches there only once
+    the symlink was replaced, and its removal may still be queued (a
+    directory made where a symlink was unlinked: its files were marked
+    broken when they raced the removal).
+    """
     if _outside(directory, root):
         raise BackendError(f"{directory} resolves to {os.path.realpath(directory)}, outside the backend root {root} "
-                           "(a symlink in the backend): refusing to write there")
+                           "(a symlink in the backend): refusing to write there", errno_=errno.ENOTDIR)
 
 
 def _list_sync(path: str, key: str, root: str) -> list[ObjectInfo]:
