@@ -190,6 +190,7 @@ async def _main(cfg: NodeConfig, state_dir: str, ready: ReadyPipe) -> int:
             return await _serve(cfg, state_dir, ready, meta, backend, pool, spill, staging, cluster)
     finally:
         staging.close()
+        staging.remove_if_empty()  # a mount that failed, or drained: no empty tmpfs left behind
 
 
 def _staging_tmpfs_bytes(dram_bytes: int) -> int:

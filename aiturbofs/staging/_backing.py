@@ -310,6 +310,15 @@ class BackingArea:
         except OSError:
             pass  # foreign files: left where they are
 
+    def remove_if_empty(self) -> None:
+        """At exit: a staging dir with no backing file left holds nothing to recover: remove it (and its tmpfs)."""
+        try:
+            if any(name.isdigit() for name in os.listdir(self.directory)):
+                return
+        except FileNotFoundError:
+            return
+        self.remove_all()
+
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
