@@ -34,8 +34,8 @@ from s3server import CREDENTIALS, HOST, S3Server
 from aiturbofs import chunk
 from aiturbofs._errors import BackendError, TransientBackendError
 from aiturbofs._limits import DIRS_TO_CLEAN_MAX, PERSIST_PARTS_IN_FLIGHT
-from aiturbofs.vfs._cluster import PersistHints
-from aiturbofs.vfs._persist import Persister
+from aiturbofs.cluster import PersistHints, SingleNode
+from aiturbofs.persist import Persister
 
 MiB = 1 << 20
 CHUNK = 8 * MiB
@@ -660,12 +660,12 @@ def test_parts_failing_together_are_one_transient_error():
     async def open_upload(key):
         return upload
 
-    fs = SimpleNamespace(meta=None, pool=None, cluster=None, backend=SimpleNamespace(open_upload=open_upload))
+    fs = SimpleNamespace(meta=None, pool=None, cluster=SingleNode(), backend=SimpleNamespace(open_upload=open_upload))
     row = SimpleNamespace(ino=7, size=parts * CHUNK, manifest=chunk.pack_manifest([chunk.HOLE] * parts), backend_keys=[])
 
     async def main():
         with pytest.raises(TransientBackendError, match="connection refused"):
-            await Persister(fs)._upload(row, "k")
+            await Persister(fs).uploads.send(row, "k")
 
     trio.run(main)
     assert upload.aborted
@@ -694,7 +694,7 @@ class FakeMeta:
 
 def fake_fs(meta=None):
     errors = []
-    return SimpleNamespace(meta=meta, pool=None, cluster=None, backend=None, errors=errors,
+    return SimpleNamespace(meta=meta, pool=None, cluster=SingleNode(), backend=None, errors=errors,
                            options=SimpleNamespace(persist_retry_window_s=0.0),
                            record_error=lambda msg, event=None: errors.append(msg))
 
@@ -706,16 +706,16 @@ def test_broken_marks_the_version_that_failed_not_a_newer_one():
     p = Persister(fake_fs(meta))
 
     async def reconcile(ino):
-        p._trying[ino] = 1  # the job uploads version 1 ...
+        p.reconciler.trying[ino] = 1  # the job uploads version 1 ...
         meta.row.version = 2  # ... and a commit lands as its upload fails for good
         raise BackendError("part 0 of 'f.bin': refused")
 
-    p._reconcile = reconcile
+    p.reconciler.reconcile = reconcile
     trio.run(p._persist_one, 7)
     assert ("broken", 2) not in meta.states
     assert meta.row.state != "broken"
     assert 7 in p._pending  # version 2 gets a job of its own
-    assert p.files_broken == 0
+    assert p.stats.files_broken == 0
 
 
 def test_finished_jobs_drop_their_round_hints():
@@ -725,11 +725,11 @@ def test_finished_jobs_drop_their_round_hints():
     async def reconcile(ino):
         return None
 
-    p._reconcile = reconcile
+    p.reconciler.reconcile = reconcile
     for ino in range(1, 201):
         p.set_hints(ino, 1, PersistHints())
         trio.run(p._persist_one, ino)
-    assert p._hints == {}
+    assert p.uploads.hints == {}
 
 
 def test_directory_cleanups_are_bounded_and_deduplicated(caplog):

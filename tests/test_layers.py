@@ -10,6 +10,8 @@ RANK = {
     "cli": 7, "node": 7,
     "fuse": 6,
     "vfs": 5, "controller": 5,
+    "persist": 4.7,
+    "cluster": 4.5,
     "fabric": 4,
     "staging": 3,
     "planner": 2,
@@ -87,3 +89,14 @@ def test_checker_catches_a_violation(tmp_path):
         assert "vfs" in _imported_layers(bad)
     finally:
         bad.unlink()
+
+
+def test_the_vfs_and_persister_talk_to_one_cluster_port():
+    """A node alone is a port too (``SingleNode``): no code above it asks whether there is a cluster."""
+    offenders = []
+    for layer in ("vfs", "persist"):
+        for path in (PKG / layer).rglob("*.py"):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if "cluster is None" in line or "cluster is not None" in line:
+                    offenders.append(f"{path.relative_to(PKG)}:{n}: {line.strip()}")
+    assert not offenders, "branches on the cluster's absence:\n" + "\n".join(offenders)

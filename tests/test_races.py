@@ -110,7 +110,8 @@ def test_open_does_not_drop_the_bytes_of_a_writer_that_opened_meanwhile(tmp_path
     async def main():
         async with filesystem(tmp_path) as fs:
             ino = await durable_file(fs, b"f", b"one")
-            fs.cluster = SimpleNamespace(node="a")  # open's cluster check (nothing else runs meanwhile)
+            alone = fs.cluster
+            fs.cluster = SimpleNamespace(owner="a", shared=True)  # open's cluster check (nothing else runs meanwhile)
             gate = Gate(fs.meta, "get_inode", ino)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(fs.open, ino, os.O_RDONLY)
@@ -118,7 +119,7 @@ def test_open_does_not_drop_the_bytes_of_a_writer_that_opened_meanwhile(tmp_path
                 writer, _ = await fs.open(ino, os.O_WRONLY)
                 await fs.write(writer.fh, 0, b"longer bytes")
                 gate.open()
-            fs.cluster = None
+            fs.cluster = alone
             assert fs._inodes[ino].content is writer.inode.content
             got = await fs.read(writer.fh, 0, 100)
             assert bytes(got) == b"longer bytes"

@@ -89,22 +89,22 @@ class NodeCollector:
                      "staged, persisted when it answers)", 1 if self.fs.health.available else 0)
         c = _counter("aiturbo_backend_bytes", "Bytes moved to and from the backend: uploaded (sent), fetched "
                      "(read back), copied (materialised by server-side copy, never sent: dedup)", labels=["direction"])
-        c.add_metric(["uploaded"], p.bytes_uploaded)
+        c.add_metric(["uploaded"], p.stats.bytes_uploaded)
         c.add_metric(["fetched"], self.fs.fetcher.bytes_fetched)
-        c.add_metric(["copied"], p.bytes_copied)
+        c.add_metric(["copied"], p.stats.bytes_copied)
         yield c
         yield _counter_value("aiturbo_backend_uploaded_for_peers_bytes",
                              "Bytes uploaded from here for parts of other nodes' files (round plans)",
-                             p.bytes_uploaded_for_peers)
+                             p.stats.bytes_uploaded_for_peers)
         c = _counter("aiturbo_files_persisted", "Persists finished, by result", labels=["result"])
-        c.add_metric(["durable"], p.files_durable)
-        c.add_metric(["broken"], p.files_broken)
+        c.add_metric(["durable"], p.stats.files_durable)
+        c.add_metric(["broken"], p.stats.files_broken)
         yield c
         c = _counter("aiturbo_errors", "Errors by kind: backend_retry (transient backend error, retried), "
                      "broken_file (a file marked broken), logged (errors shown by aiturbo status)", labels=["kind"])
-        c.add_metric(["backend_retry"], p.retries)
+        c.add_metric(["backend_retry"], p.stats.retries)
         c.add_metric(["backend_read_retry"], self.fs.fetcher.read_retries)
-        c.add_metric(["broken_file"], p.files_broken)
+        c.add_metric(["broken_file"], p.stats.files_broken)
         c.add_metric(["logged"], getattr(self.fs, "errors_total", len(self.fs.errors)))
         yield c
         yield _gauge("aiturbo_uptime_seconds", "Seconds since the daemon started", trio.current_time() - self.started_s)

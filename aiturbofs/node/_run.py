@@ -34,13 +34,13 @@ from .._limits import (
     UNMOUNT_POLL_S,
 )
 from .._nursery import open_nursery
+from ..cluster import ClusterNode, SingleNode
 from ..controller import EmbeddedController
 from ..fabric import load_secret, open_transport, parse_address
 from ..fuse import Operations
 from ..staging import BackingArea, SpillStore, StagingPool
-from ..vfs import Filesystem, VfsOptions
+from ..vfs import Filesystem, VfsLocalSide, VfsOptions
 from . import _control, _metrics
-from ._cluster import ClusterNode
 from ._options import NodeConfig
 from ._paths import control_socket, default_staging_dir, default_state_dir
 
@@ -215,13 +215,14 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
         full_backend_wait_s=cfg.full_backend_wait_s,
         owner_uid=os.getuid(), owner_gid=os.getgid(),
     )
-    fs = Filesystem(meta, backend, pool, vopts, staging=staging, reporter=controller.report_close, cluster=cluster)
+    port = cluster if cluster is not None else SingleNode(controller.report_close)
+    fs = Filesystem(meta, backend, pool, vopts, staging=staging, cluster=port)
     ops = Operations(fs, debug_faults=cfg.debug_faults)
     started = time.time()
     exit_code = 0
     async with open_nursery() as nursery:
         if cluster is not None:
-            cluster.fs = fs
+            cluster.local = VfsLocalSide(fs)
             await nursery.start(cluster.run, cfg.fabric)
         await fs.start(nursery)
         nursery.start_soon(pool.run_spiller)
@@ -397,10 +398,10 @@ class _Dispatcher:
             "pool": vars(self.pool.stats()),
             "staging": {"dir": self.fs.staging.directory, "allocated_bytes": self.fs.staging.bytes_allocated()},
             "persist": {
-                "queue": p.queue_length(), "queued": queued, "bytes_uploaded": p.bytes_uploaded,
-                "bytes_fetched": self.fs.fetcher.bytes_fetched, "bytes_copied": p.bytes_copied,
-                "bytes_uploaded_for_peers": p.bytes_uploaded_for_peers, "files_durable": p.files_durable,
-                "files_broken": p.files_broken, "retries": p.retries, "read_retries": self.fs.fetcher.read_retries,
+                "queue": p.queue_length(), "queued": queued, "bytes_uploaded": p.stats.bytes_uploaded,
+                "bytes_fetched": self.fs.fetcher.bytes_fetched, "bytes_copied": p.stats.bytes_copied,
+                "bytes_uploaded_for_peers": p.stats.bytes_uploaded_for_peers, "files_durable": p.stats.files_durable,
+                "files_broken": p.stats.files_broken, "retries": p.stats.retries, "read_retries": self.fs.fetcher.read_retries,
                 "backend_full_s": p.backend_full_s(),
             },
             "groups": self.controller.summary(),

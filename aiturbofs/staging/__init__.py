@@ -7,4 +7,5 @@ from ._backing import content_key_of as content_key_of
 from ._pool import Entry as Entry
 from ._pool import PoolStats as PoolStats
 from ._pool import StagingPool as StagingPool
+from ._pool import room as room
 from ._spill import SpillStore as SpillStore

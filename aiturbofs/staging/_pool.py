@@ -35,13 +35,18 @@ from typing import Literal, overload
 import trio
 
 from .._errors import NoSpace
-from .._limits import CHUNK_BYTES, FREE_BUFFERS_KEPT_MAX, SPILL_WAIT_S
+from .._limits import CHUNK_BYTES, FREE_BUFFERS_KEPT_MAX, SMALL_BUFFER_BYTES, SPILL_WAIT_S
 from ._backing import Range
 from ._spill import SpillStore
 
 log = logging.getLogger(__name__)
 
 Fetch = Callable[[], Awaitable[bytes]]
+
+
+def room(want: int, index: int) -> int:
+    """The budget an open chunk holding ``want`` bytes counts for: a small file's first chunk counts what it uses."""
+    return CHUNK_BYTES if (want > SMALL_BUFFER_BYTES or index > 0) else max(4096, 1 << max(0, want - 1).bit_length())
 
 
 class Entry:

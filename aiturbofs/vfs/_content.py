@@ -21,13 +21,8 @@ Filesystem drives every transition and the pool bookkeeping.
 import trio
 
 from .. import chunk
-from .._limits import CHUNK_BITS, CHUNK_BYTES, SMALL_BUFFER_BYTES
+from .._limits import CHUNK_BITS
 from ..staging import BackingFile, Range
-
-
-def room(want: int, index: int) -> int:
-    """The budget an open chunk holding ``want`` bytes counts for: a small file's first chunk counts what it uses."""
-    return CHUNK_BYTES if (want > SMALL_BUFFER_BYTES or index > 0) else max(4096, 1 << max(0, want - 1).bit_length())
 
 
 class VersionPins:

@@ -42,11 +42,9 @@ class ChunkFetcher:
     async def chunk(self, ino: int, index: int, key: bytes, length: int, row=None) -> bytes:
         """A sealed chunk of inode ``ino`` (``row``: its row, if the caller has it)."""
         fs = self.fs
-        cluster = fs.cluster
-        if cluster is not None:
-            data = await cluster.round_fetch(ino, key)  # a grouped read: from our chain predecessor
-            if data is not None:
-                return data
+        data = await fs.cluster.round_fetch(ino, key)  # a grouped read: from our chain predecessor
+        if data is not None:
+            return data
         if row is None:
             node = fs._cached(ino)
             row = node.row if node is not None else await fs.meta.get_inode(ino)
@@ -81,9 +79,7 @@ class ChunkFetcher:
 
     async def _from_peers(self, row, key: bytes) -> bytes | None:
         cluster = self.fs.cluster
-        if cluster is None or not row.holders:
-            return None
-        others = [h for h in row.holders if h != cluster.node]
+        others = [h for h in row.holders if h != cluster.owner]
         return await cluster.fetch(key, others) if others else None
 
     async def read_range(self, key: str, offset: int, length: int) -> bytes:

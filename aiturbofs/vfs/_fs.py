@@ -23,7 +23,7 @@ import os
 import stat
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import trio
 
@@ -56,35 +56,19 @@ from .._limits import (
     SYMLINK_TARGET_BYTES_MAX,
 )
 from .._threads import background
+from ..cluster import ClusterPort, ReadRequest, SingleNode, StageRequest
 from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED, InodeRow
-from ..staging import BackingArea, BackingFile, Range, StagingPool, content_key_of
+from ..persist import Persister
+from ..staging import BackingArea, BackingFile, Range, StagingPool, content_key_of, room
 from . import _xattr
-from ._cluster import ClusterPort, ReadRequest, Staged, StageRequest
-from ._content import FileContent, Slot, VersionPins, room
+from ._content import FileContent, Slot, VersionPins
 from ._fetch import ChunkFetcher
 from ._health import BackendHealth
 from ._importer import Importer
 from ._options import VfsOptions
-from ._persist import Persister
 
 log = logging.getLogger(__name__)
 
-
-
-@dataclass(frozen=True)
-class CloseReport:
-    """What a committed file tells the control plane (grouped I/O comes later)."""
-
-    ino: int
-    path: str
-    version: int
-    size: int
-    manifest: bytes
-    group: str | None
-    group_size: int | None
-
-
-CloseReporter = Callable[[CloseReport], Awaitable[None]]
 
 
 class Inode:
@@ -145,10 +129,10 @@ class Filesystem:
 
     def __init__(
         self, meta, backend, pool: StagingPool, options: VfsOptions, *, staging: BackingArea,
-        reporter: CloseReporter | None = None, cluster: ClusterPort | None = None,
+        cluster: ClusterPort | None = None,
     ):
         self.meta = meta
-        self.cluster = cluster
+        self.cluster: ClusterPort = cluster or SingleNode()  # a node alone by default
         self.backend = backend
         # The largest file a write or truncate may make: what the backend can
         # hold (S3: 5 TiB), refused at once (EFBIG) rather than broken at persist.
@@ -156,7 +140,6 @@ class Filesystem:
         self.pool = pool
         self.staging = staging
         self.options = options
-        self._reporter = reporter
         self._inodes: dict[int, Inode] = {}
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
@@ -209,6 +192,14 @@ class Filesystem:
     # ================================================================= inodes
     def _cached(self, ino: int) -> Inode | None:
         return self._inodes.get(ino)
+
+    def is_cached(self, ino: int) -> bool:
+        """The persister's question: does the kernel or a handle still know ``ino``?"""
+        return ino in self._inodes
+
+    def unlinked_keys(self) -> set[str]:
+        """Backend keys of unlinked inodes still open or known to the kernel (the importer must not revive them)."""
+        return {k for node in list(self._inodes.values()) if node.row.nlink == 0 for k in node.row.backend_keys}
 
     async def _inode(self, ino: int) -> Inode:
         """The in-memory inode, loading its row if needed."""
@@ -468,7 +459,7 @@ class Filesystem:
             nlink=1, atime_ns=now, mtime_ns=now, ctime_ns=now, rdev=rdev, target=target,
             state=STATE_STAGED if kept else None, backend_keys=[],
             # a node persists from its row alone: its creator writes it (a file's commit names its owner)
-            owner=self.cluster.node if self.cluster is not None and kept and not is_reg else None,
+            owner=self.cluster.owner if kept and not is_reg else None,
         )
         row = await self.meta.create(parent, name, row)
         node = self._remember(row)
@@ -695,7 +686,7 @@ class Filesystem:
             await self._refresh(node)  # close-to-open: see the latest commit
             content = node.content
             # Checked again after the await: an open meanwhile may be writing.
-            if self.cluster is not None and content is not None and node.opens == 0 and not content.dirty and (
+            if self.cluster.shared and content is not None and node.opens == 0 and not content.dirty and (
                 content.size != node.row.size or content.manifest() != node.row.manifest
             ):
                 self._drop_content(node)  # another node committed a newer version
@@ -716,7 +707,7 @@ class Filesystem:
         elif writable and row.manifest is None and any(s is not None and s.is_external for s in content.slots):
             await self._hash_external(node, content)
         handle = self._open_handle(node, flags)
-        if self.cluster is not None and not writable and row.manifest and not content.dirty:
+        if not writable and row.manifest and not content.dirty:
             await self._join_read_round(node)
         keep = node.cached_version == row.version and not content.dirty
         node.cached_version = row.version
@@ -728,7 +719,7 @@ class Filesystem:
         if group is None:
             return
         row = node.row
-        assert self.cluster is not None and row.manifest is not None  # see open()
+        assert row.manifest is not None  # see open()
         self.cluster.start_read(ReadRequest(
             ino=node.ino, version=row.version, path=await self._path(node.ino), size=row.size,
             manifest=row.manifest, group=group, group_size=group_size,
@@ -1022,19 +1013,16 @@ class Filesystem:
             # has (unchanged since the last durable version): the persister
             # fetches them from there if the pool has evicted them.
             manifest = content.manifest()
-            placed = None
             freed: list[bytes] = []
             content.committing = freed
             row = None
             try:
-                if self.cluster is not None:
-                    placed = await self._stage(node, content, manifest)
+                request = await self._stage_request(node, content, manifest)
+                placed = await self.cluster.stage(request)
                 if content.seq == seq:  # else written meanwhile: seal and place the new bytes
                     row = await self.meta.commit_manifest(
                         node.ino, size=content.size, manifest=manifest, state=STATE_STAGED, mtime_ns=node.row.mtime_ns,
-                        sync=sync,
-                        **({"owner": self.cluster.node, "holders": placed.holders}
-                           if self.cluster is not None and placed is not None else {}),
+                        sync=sync, owner=self.cluster.owner, holders=placed.holders,
                     )
             finally:
                 content.committing = None
@@ -1047,35 +1035,18 @@ class Filesystem:
             content.committed_seq = seq
             node.row = row
             log.info("staged ino=%d version=%d size=%d holders=%s", node.ino, row.version, row.size,
-                     ",".join(placed.holders) if placed is not None else "local")
-            self._notify_state(node.ino)
-            self.persister.set_hints(node.ino, row.version, placed.hints if placed is not None else None)
+                     ",".join(placed.holders) or "local")
+            self.notify_state(node.ino)
+            self.persister.set_hints(node.ino, row.version, placed.hints)
             self.persister.enqueue(node.ino)
-            if placed is None:
-                await self._report(node, row, manifest)
+            await self.cluster.committed(request, row.version)
 
-    async def _stage(self, node: Inode, content: FileContent, manifest: bytes) -> Staged:
-        """Cluster: place the chunks on ``replicas`` nodes before close() returns."""
+    async def _stage_request(self, node: Inode, content: FileContent, manifest: bytes) -> StageRequest:
+        """What the cluster port places before close() returns (a grouped file's path goes in its round report)."""
         group, group_size = await self._grouping(node)
-        assert self.cluster is not None
-        return await self.cluster.stage(
-            StageRequest(
-                ino=node.ino, path=await self._path(node.ino), size=content.size, manifest=manifest,
-                group=group, group_size=group_size,
-            )
-        )
-
-    async def _report(self, node: Inode, row: InodeRow, manifest: bytes) -> None:
-        if self._reporter is None:
-            return
-        group, group_size = await self._grouping(node)
-        if group is None:
-            return  # ungrouped files need no control-plane round
-        await self._reporter(
-            CloseReport(
-                ino=node.ino, path=await self._path(node.ino), version=row.version, size=row.size,
-                manifest=manifest, group=group, group_size=group_size,
-            )
+        return StageRequest(
+            ino=node.ino, path=await self._path(node.ino) if group is not None else "", size=content.size,
+            manifest=manifest, group=group, group_size=group_size,
         )
 
     async def _grouping(self, node: Inode) -> tuple[str | None, int | None]:
@@ -1213,7 +1184,7 @@ class Filesystem:
         node.row = await self.meta.set_attrs(node.ino, manifest=manifest)
 
     # ============================================================ durability
-    def _notify_state(self, ino: int) -> None:
+    def notify_state(self, ino: int) -> None:
         event = self._state_changed.pop(ino, None)
         if event is not None:
             event.set()
@@ -1235,7 +1206,7 @@ class Filesystem:
             if row.state == STATE_BROKEN and content is not None and not content.dirty:
                 content.broken = True
             await self._maybe_drop(node)
-        self._notify_state(ino)
+        self.notify_state(ino)
 
     def adopt_recovered(self, row: InodeRow, pinned: set[int], backing: BackingFile | None) -> None:
         """After a restart: hold the pins of a staged file recovered from its backing file or spill.
@@ -1267,7 +1238,7 @@ class Filesystem:
             if row.state == STATE_DURABLE and row.persisted_version == row.version:
                 return
             event = self._state_changed.setdefault(ino, trio.Event())
-            if self.cluster is None:
+            if not self.cluster.shared:
                 await event.wait()
             else:
                 # another node may persist it (a takeover): its progress is

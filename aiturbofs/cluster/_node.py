@@ -1,7 +1,8 @@
 """This node's part of a cluster: fabric endpoint, controller session, replicas.
 
 ``ClusterNode`` implements the VFS's ``ClusterPort`` and the fabric's
-``ChunkHandler``:
+``ChunkHandler``; what it needs of the VFS (a chunk for a chain successor, a
+part of another node's upload, a takeover) it asks its ``LocalSide``:
 
 - **stage** (close(), future 0): a grouped file is reported to the
   controller, which answers with the round's plan: the transfers this node
@@ -15,7 +16,7 @@
   joins, heartbeats and deaths there), so a controller restart does not
   change who is alive; the session to the controller re-joins by itself.
 - **takeover**: files whose owner the controller declared dead are
-  persisted by their first live holder (``Persister.take_over``).
+  persisted by their first live holder (``LocalSide.take_over``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from .._limits import (
 from .._nursery import open_nursery
 from ..fabric import Peer, PeerInfo, Transport, format_address, parse_address
 from ..meta import NODE_ALIVE, NODE_DEAD, STATE_BROKEN, STATE_DURABLE
-from ..vfs import CopySource, Filesystem, PersistHints, ReadRequest, Staged, StageRequest
+from ._port import CopySource, LocalSide, PersistHints, ReadRequest, Staged, StageRequest
 
 log = logging.getLogger("aiturbofs.cluster")
 
@@ -113,6 +114,10 @@ class _Link:
 
 
 class ClusterNode:
+    """The ``ClusterPort`` of a cluster member (see module doc)."""
+
+    shared = True
+
     def __init__(self, *, node: str, replicas: int, controller: str | None, meta, pool, transport: Transport,
                  send_bw: float, recv_bw: float, snic_bw: float):
         self.node = node
@@ -122,7 +127,7 @@ class ClusterNode:
         self.pool = pool
         self.transport = transport
         self.bandwidths = {"send_bw": send_bw, "recv_bw": recv_bw, "snic_bw": snic_bw}
-        self.fs: Filesystem | None = None  # set by the daemon once the Filesystem exists
+        self.local: LocalSide | None = None  # set by the daemon once the Filesystem exists
         self.address: str | None = None  # where peers reach our fabric endpoint
         self.members: dict[str, str] = {}  # live node -> fabric address (from the metadata)
         self.dead: set[str] = set()
@@ -167,6 +172,10 @@ class ClusterNode:
                 nursery.start_soon(self._controller_session)
             nursery.start_soon(self._housekeeping)
             task_status.started()
+
+    @property
+    def owner(self) -> str:
+        return self.node
 
     def dead_nodes(self) -> set[str]:
         return set(self.dead)
@@ -225,8 +234,8 @@ class ClusterNode:
                                                    {**self.bandwidths, "summary": self.summary()})
                 await self._refresh_members()
                 await self._release_holds()
-                if self.dead and self.fs is not None:
-                    await self.fs.persister.take_over(self.dead)
+                if self.dead and self.local is not None:
+                    await self.local.take_over(self.dead)
             except AiturboError as exc:  # the metadata engine is unreachable: try again
                 log.warning("cluster housekeeping: %s", exc)
 
@@ -278,12 +287,13 @@ class ClusterNode:
                 for plan in pending:
                     plan.skew_spent = True
             link = self._chain.get(key)
-        if link is not None and self.fs is not None and peer.node in link.downstream:
+        local = self.local
+        if link is not None and local is not None and peer.node in link.downstream:
             # Further down one of our read chains: wait until we have it (fetching
             # it if need be).  Only nodes downstream wait, and they only ever ask
             # upstream, so no two nodes wait on each other; anyone else (a chain
             # head looking in holders' DRAM) is answered at once.
-            view = await self.pool.read(key, lambda: self.fs.fetcher.chunk(link.ino, link.index, key, link.length))
+            view = await self.pool.read(key, lambda: local.chunk(link.ino, link.index, key, link.length))
             self.stats["chunks_served"] += 1
             return bytes(view)
         return None
@@ -306,9 +316,9 @@ class ClusterNode:
             self._hold(int(body["ino"]), [_key(k) for k in body.get("keys", [])])
             return {"ok": True}
         if op == "upload_part":
-            if self.fs is None:
+            if self.local is None:
                 raise RemoteError("not serving yet")
-            receipt = await self.fs.persister.upload_for_peer(
+            receipt = await self.local.upload_for_peer(
                 str(body["backend_key"]), str(body["token"]), int(body["index"]), _key(body["key"]),
                 int(body["length"]), [str(h) for h in body.get("holders", [])],
             )
@@ -419,6 +429,9 @@ class ClusterNode:
         )
         return Staged(holders=holders, hints=hints)
 
+    async def committed(self, request: StageRequest, version: int) -> None:
+        pass  # the controller heard of the file at ``stage``
+
     def _body(self, op: str, request, keys: list[bytes], **extra) -> dict:
         return {
             "op": op, "node": self.node, "group": request.group, "group_size": request.group_size,
@@ -528,9 +541,9 @@ class ClusterNode:
     async def _prefetch(self, ino: int, key: bytes, index: int, length: int, limiter) -> None:
         try:
             if not self.pool.has(key):
-                fs = self.fs
-                assert fs is not None  # grouped reads come from the Filesystem: it is set
-                await self.pool.read(key, lambda: fs.fetcher.chunk(ino, index, key, length))
+                local = self.local
+                assert local is not None  # grouped reads come from the Filesystem: it is set
+                await self.pool.read(key, lambda: local.chunk(ino, index, key, length))
                 self.stats["chunks_prefetched"] += 1
         except AiturboError as exc:
             log.info("prefetch of chunk %d of inode %d failed (%s); the reader fetches it itself", index, ino, exc)
@@ -619,11 +632,10 @@ class ClusterNode:
     def summary(self) -> dict:
         """This node's one line of ``aiturbo status`` (small: it rides on every heartbeat)."""
         s = self.pool.stats()
-        p = self.fs.persister if self.fs is not None else None
+        persist = self.local.persist_summary() if self.local is not None else {}
         return {
             "pool_used": s.used_bytes, "pool_budget": s.budget_bytes, "dirty": s.dirty_bytes, "spilled": s.spilled_bytes,
-            "queue": p.queue_length() if p else 0, "durable": p.files_durable if p else 0,
-            "broken": p.files_broken if p else 0, "uploaded": p.bytes_uploaded if p else 0,
+            **{k: persist.get(k, 0) for k in ("queue", "durable", "broken", "uploaded")},
             "replicated": self.stats["bytes_replicated"], "metrics": self.metrics_url,
         }
 

@@ -1,0 +1,57 @@
+"""What the persister asks of the VFS above it, and the figures it keeps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..cluster import ClusterPort
+
+
+class PersistHost(Protocol):
+    """The VFS as the persister sees it (``Filesystem`` implements it)."""
+
+    meta: Any  # the metadata engine
+    backend: Any
+    pool: Any  # the StagingPool
+    staging: Any  # the BackingArea
+    cluster: ClusterPort
+    fetcher: Any  # the read side's ChunkFetcher: ``previous`` (a chunk the pool lost), ``read_range``
+    health: Any  # BackendHealth: ``mark_up`` when a file got through
+    options: Any  # VfsOptions: persist_retry_window_s, full_backend_wait_s
+
+    def record_error(self, message: str, event: str | None = None) -> None:
+        """An operating error, for the log and ``aiturbo status``."""
+
+    def notify_state(self, ino: int) -> None:
+        """``ino``'s state changed: wake whoever waits for it (``aiturbo wait``, fsync)."""
+
+    async def on_persisted(self, ino: int, row) -> None:
+        """``row.version`` is durable (or broken): release its pins."""
+
+    def adopt_recovered(self, row, pinned: set[int], backing) -> None:
+        """After a restart: hold the recovered pins of a staged file."""
+
+    def is_cached(self, ino: int) -> bool:
+        """Does the kernel (or an open handle) still know ``ino``?  Its row must then stay."""
+
+    def unlinked_keys(self) -> set[str]:
+        """Backend keys of unlinked inodes still open or known to the kernel."""
+
+
+@dataclass
+class PersistStats:
+    """The persister's counters (``aiturbo status``, the metrics)."""
+
+    bytes_uploaded: int = 0
+    bytes_copied: int = 0  # materialised by server-side copy (dedup), not sent
+    bytes_uploaded_for_peers: int = 0  # parts of other nodes' uploads sent from here
+    files_durable: int = 0
+    files_broken: int = 0
+    retries: int = 0
+
+
+def is_mine(cluster: ClusterPort, row) -> bool:
+    """Is this node the one to persist ``row``?  (Always, on a single node.)"""
+    me = cluster.owner
+    return me is None or row.owner in (None, me)

@@ -1,0 +1,561 @@
+"""The reconciler: makes the backend match the namespace for one inode.
+
+A job compares what the metadata engine says (current paths, committed
+version, state) with what the backend holds (``backend_keys`` at
+``persisted_version``) and does what is missing: upload the committed
+version (``Uploads.send``, then publish it), move or copy after renames and
+hard links, delete after unlink, write a node's form; then loops until
+nothing changed meanwhile.  That is why renaming or deleting a file while it
+persists leaves no ghost objects and loses no rename.
+
+Objects are published, moved, deleted and their keys recorded under
+``ns_lock`` (uploads send their data without it), so every inode's
+``backend_keys`` match the backend whenever another job looks; operations
+on one backend key are serialised by a per-key lock, and a key is only
+deleted if no live inode's path names it.  A file whose name another file's
+object still occupies waits for it (``_defer``), moving its own objects at
+others' names aside first, so swaps and cycles of renames resolve.
+"""
+
+import errno
+import logging
+import secrets
+import stat
+import time
+from contextlib import asynccontextmanager
+
+import trio
+
+from .._errors import AiturboError, BackendError, IntegrityError, NotFound, TransientBackendError
+from .._limits import PERSIST_BACKOFF_MAX_S
+from ..backend import NodeAttrs, ObjectInfo
+from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED
+from ._host import PersistHost, PersistStats, is_mine
+from ._upload import Uploads
+
+log = logging.getLogger("aiturbofs.persist")
+
+# How long a backend key removed or moved away is remembered, so that an
+# import whose listing started before the removal does not bring it back.
+VACATED_KEEP_S = 600.0
+# A file whose backend name another file still has to move away from waits
+# this long before it tries again (see ``_defer``).
+DEFER_RETRY_S = 0.1
+# Hidden name prefix of an object moved out of the way (see ``_defer``).
+ASIDE_PREFIX = ".aiturbo-aside."
+# A publish or move refused because a directory (or a file, in the path) is
+# in the way: a renamed directory not yet emptied, or one not yet removed.
+# That clears once the other files have moved, so the file waits (_defer).
+_CONFLICT_ERRNOS = frozenset({errno.EISDIR, errno.ENOTEMPTY, errno.ENOTDIR, errno.EEXIST})
+
+
+class _Deferred(Exception):
+    """Another file must move its object away from our name first."""
+
+
+class Reconciler:
+    """Per-inode reconcile jobs and the namespace bookkeeping they share (see module doc)."""
+
+    def __init__(self, host: PersistHost, stats: PersistStats, uploads: Uploads, queue):
+        self.host = host
+        self.meta = host.meta
+        self.backend = host.backend
+        self.pool = host.pool
+        self.stats = stats
+        self.uploads = uploads
+        self._queue = queue  # the Persister: enqueue, running, and the backend-answers signal
+        # Held while backend objects are published, moved, deleted and their
+        # keys recorded: every inode's backend_keys then match the backend
+        # whenever another job looks (see _holder).  Uploads send their data
+        # without it and take it only to publish.
+        self.ns_lock = trio.Lock()
+        self.key_locks: dict[str, list] = {}
+        self._vacated: dict[str, float] = {}  # backend key/dir -> monotonic time it went away
+        # Queued inodes whose names changed (see note_moved) -> (live, backend_keys)
+        # as last read, or a fresh ``object()`` until read; only the inode's
+        # own job changes its keys, and a job start or a new enqueue forgets them.
+        self.moved: dict[int, object] = {}
+        self.defers: dict[int, int] = {}  # inode -> deferrals in a row (see _defer)
+        self.trying: dict[int, int] = {}  # inode -> the version its running job uploads
+
+    def note_moved(self, ino: int) -> None:
+        """``ino``'s names changed: its objects may sit at names it no longer has (see ``_holder``)."""
+        self.moved[ino] = object()
+
+    def job_started(self, ino: int) -> None:
+        if ino in self.moved:
+            self.moved[ino] = object()  # its keys are read afresh: this job changes them
+
+    def job_ended(self, ino: int, *, again: bool) -> None:
+        """``again``: it was enqueued while it ran, and runs once more."""
+        self.trying.pop(ino, None)
+        if not again:
+            self.moved.pop(ino, None)  # reconciled: its objects are at its names
+            self.defers.pop(ino, None)
+
+    async def clean_dir(self, path: str) -> None:
+        """Remove the backend directory of a removed directory (does nothing unless empty)."""
+        try:
+            async with self.ns_lock:
+                if not await self._is_dir_of_namespace(path):  # made again meanwhile: it is that one's now
+                    await self.backend.remove_dir(path)
+                    self._note_vacated(path)
+        except BackendError as exc:
+            log.info("backend directory %s not removed: %s", path, exc)
+
+    async def reconcile(self, ino: int) -> None:
+        """One job's work: loop until the backend matches the namespace for ``ino``."""
+        while True:
+            row = await self.meta.get_inode(ino)
+            paths = await self.meta.paths_of(ino) if row.nlink > 0 else []
+            if not paths:
+                await self._delete_all(row)
+                return
+            if row.state is None:
+                return  # a node the backend does not keep: nothing there
+            if row.state == STATE_BROKEN:
+                return
+            if not stat.S_ISREG(row.mode):
+                if not await self._publish_node(row.ino):
+                    await self._defer(row, paths)
+                return
+            if row.state != STATE_DURABLE or row.persisted_version != row.version:
+                if not is_mine(self.host.cluster, row):
+                    return  # its owner uploads it (and then reconciles the names it finds)
+                self.trying[ino] = row.version  # what _mark_broken marks if this fails for good
+                try:
+                    uploaded = await self._upload_version(row, paths)
+                except (BackendError, IntegrityError):
+                    if (await self.meta.get_inode(ino)).version != row.version:
+                        # Superseded meanwhile (truncated or rewritten: the old
+                        # version's chunks may be gone): upload the new version
+                        # rather than mark it broken for the old one's failure.
+                        continue
+                    raise
+                if not uploaded:
+                    await self._defer(row, paths)
+                    return
+                continue
+            if sorted(row.backend_keys) != sorted(paths):
+                if not await self._relocate(row, paths):
+                    await self._defer(row, paths)
+                    return
+                continue
+            return
+
+    async def _publish_node(self, ino: int) -> bool:
+        """A symlink, directory or special file: write its backend form at each
+        of its names and remove it from the names it no longer has (there is
+        no data to move: writing it again is cheaper than a copy).  False if
+        another file must move its object away from one of our names first.
+        """
+        async with self.ns_lock:
+            row = await self.meta.get_inode(ino)
+            paths = await self.meta.paths_of(ino) if row.nlink > 0 else []
+            if not paths or row.state is None or row.state == STATE_BROKEN:
+                return True  # the reconcile loop deletes it, or there is nothing to do
+            current = row.state == STATE_DURABLE and row.persisted_version == row.version
+            if current and sorted(row.backend_keys) == sorted(paths):
+                return True
+            if stat.S_IFMT(row.mode) not in self.backend.node_kinds:
+                # Made when another backend was mounted on this metadata.
+                log.info("node_metadata_only path=%s mode=%o (%s cannot hold it)", paths[0], row.mode, self.backend.url)
+                await self.meta.set_attrs(ino, state=None)
+                return True
+            if row.state != STATE_PERSISTING and await self.meta.set_state(ino, STATE_PERSISTING, if_version=row.version):
+                self.host.notify_state(ino)
+            is_dir = stat.S_ISDIR(row.mode)
+            node = NodeAttrs(row.mode, row.uid, row.gid, row.mtime_ns, row.rdev, row.target)
+            done = [k for k in paths if current and k in row.backend_keys]
+            for dst in paths:
+                if dst in done:
+                    continue
+                # A directory shares its name with the objects below it: only
+                # an object at its key or above it is in its way.
+                placed = await self._free_for(dst, ino, below=not is_dir)
+                if placed:
+                    async with self._key_lock(dst):
+                        placed = await self._place(self.backend.write_node, dst, dst, node)
+                if not placed:
+                    # Where our forms are so far: the stale ones go once we may write.
+                    await self.meta.set_attrs(ino, backend_keys=sorted(set(row.backend_keys) | set(done)))
+                    return False
+                done.append(dst)
+            for stale in row.backend_keys:
+                if stale not in done:
+                    if is_dir:
+                        await self._remove_dir_key(stale)
+                    else:
+                        await self._delete_key(stale, ino)
+            await self.meta.set_state(ino, STATE_DURABLE, if_version=row.version, backend_keys=done,
+                                      persisted_version=row.version, sync=False)
+        await self.meta.sync()  # outside ns_lock: nodes in flight share the fsync
+        self._queue.backend_answered()
+        log.info("persisted_node path=%s mode=%o", ",".join(done), row.mode)
+        await self.host.on_persisted(ino, await self.meta.get_inode(ino))
+        return True
+
+    async def _upload_version(self, row, paths: list[str]) -> bool:
+        """Upload the committed version; False if another file must move first."""
+        started = time.monotonic()
+        if row.state != STATE_PERSISTING:
+            # Not synced: the durable state's sync covers it.  A power cut
+            # before that leaves the backend object, if published, newer than
+            # the row; the import then takes it as changed outside the mount
+            # (its etag is not the row's), so the file reads as that version.
+            if not await self.meta.set_state(row.ino, STATE_PERSISTING, if_version=row.version, sync=False):
+                return True
+            self.host.notify_state(row.ino)
+        if await self._held(paths, row.ino):
+            return False  # before sending any data
+        target = paths[0]
+        try:
+            upload = await self.uploads.send(row, target)
+        except BackendError as exc:
+            if exc.errno not in _CONFLICT_ERRNOS or isinstance(exc, TransientBackendError):
+                raise
+            log.info("%s: something is in the way (%s); waiting for it to go", target, exc)
+            return False
+        try:
+            async with self.ns_lock:
+                # The names may have changed while the data went out: publish
+                # only where no other file lives or still keeps its object; a
+                # target that is no longer ours is then moved like any rename.
+                if not await self._free_for(target, row.ino):
+                    raise _Deferred
+                published: list[ObjectInfo] = []
+                await self.uploads.forget_sources(target)  # the object there is replaced
+                async with self._key_lock(target):
+                    if not await self._place(lambda: self._complete(upload, row.size, published), target):
+                        raise _Deferred
+                info = published[0]
+                done = [target]
+                for extra in await self.meta.paths_of(row.ino):
+                    if extra not in done and await self._free_for(extra, row.ino):
+                        async with self._key_lock(extra):
+                            if await self._place(self.backend.copy, extra, target, extra):
+                                done.append(extra)
+                for stale in row.backend_keys:
+                    if stale not in done:
+                        await self._delete_key(stale, row.ino)
+                # Synced below, once the lock is free: files in flight share
+                # one fsync instead of taking turns at it under ns_lock.
+                durable = await self.meta.set_state(
+                    row.ino, STATE_DURABLE, if_version=row.version, sync=False,
+                    backend_keys=done, persisted_version=row.version, backend_etag=info.etag,
+                )
+                if not durable:
+                    # A newer version was committed meanwhile: it is not durable,
+                    # but where this one's objects are must still be known (the
+                    # stale ones are gone; an unrecorded one came back at import).
+                    await self.meta.set_attrs(
+                        row.ino, backend_keys=done, persisted_version=row.version, backend_etag=info.etag
+                    )
+        except BaseException as exc:
+            with trio.CancelScope(shield=True):
+                try:
+                    await upload.abort()  # a no-op once complete() published
+                except AiturboError as abort_exc:
+                    log.warning("abort of upload to %s failed: %s", paths[0], abort_exc)
+            if isinstance(exc, _Deferred):
+                return False
+            raise
+        if durable:
+            await self.meta.sync()
+            await self.uploads.record_sources(row, target, info.etag)
+            self.stats.files_durable += 1
+            self._queue.file_got_through()
+            log.info("persisted path=%s size=%d s=%.2f version=%d", paths[0], row.size, time.monotonic() - started,
+                     row.version)
+            await self.host.on_persisted(row.ino, await self.meta.get_inode(row.ino))
+        return True
+
+    @staticmethod
+    async def _complete(upload, size: int, out: list) -> None:
+        out.append(await upload.complete(size))
+
+    async def _relocate(self, row, paths: list[str]) -> bool:
+        """Renamed or linked: move/copy the durable object, no re-upload.
+
+        False (nothing done) if another file must move its object away from
+        one of our names first.
+        """
+        src = row.backend_keys[0] if row.backend_keys else None
+        if src is None:
+            await self.meta.set_state(row.ino, STATE_STAGED, if_version=row.version)
+            return True
+        async with self.ns_lock:
+            # Decide on what holds now: renames do not wait for this lock.
+            row = await self.meta.get_inode(row.ino)
+            paths = await self.meta.paths_of(row.ino) if row.nlink > 0 else []
+            if (
+                not paths or not row.backend_keys or sorted(row.backend_keys) == sorted(paths)
+                or row.state != STATE_DURABLE or row.persisted_version != row.version
+            ):
+                return True  # changed meanwhile (e.g. a new version to upload): the reconcile loop looks again
+            src = row.backend_keys[0]
+            if await self._held([dst for dst in paths if dst not in row.backend_keys], row.ino):
+                return False
+            keep = [k for k in row.backend_keys if k in paths]
+            current = list(row.backend_keys)  # where our objects are, as we go
+            for dst in paths:
+                if dst in row.backend_keys:
+                    continue
+                async with self._key_lock(dst):
+                    if keep:
+                        placed = await self._place(self.backend.copy, dst, keep[0], dst)
+                        if placed:
+                            current.append(dst)
+                    else:
+                        await self.uploads.forget_sources(src)
+                        placed = await self._place(self.backend.move, dst, src, dst)
+                        if placed:
+                            current[current.index(src)] = dst
+                            keep = [dst]
+                if not placed:
+                    if current != row.backend_keys:
+                        await self.meta.set_attrs(row.ino, backend_keys=current)
+                    return False
+            for stale in row.backend_keys:
+                if stale not in paths:
+                    await self._delete_key(stale, row.ino)
+            # Recorded whatever the version: the objects did move.  (Only under
+            # if_version, a commit racing with the move left backend_keys naming
+            # a key that no longer exists, and the next upload could not fetch
+            # unchanged chunks from it.)
+            fields = {}
+            if len(paths) == 1:  # a copy has a new etag: not a change made outside the mount
+                info = await self.backend.stat(paths[0])
+                fields["backend_etag"] = info.etag if info is not None else row.backend_etag
+            await self.meta.set_attrs(row.ino, backend_keys=paths, **fields)
+            await self.meta.set_state(row.ino, STATE_DURABLE, if_version=row.version)
+        log.info("moved_in_backend from=%s to=%s", ",".join(row.backend_keys), ",".join(paths))
+        return True
+
+    async def _defer(self, row, paths: list[str]) -> None:
+        """Let the holder of one of our names move its object first.
+
+        Our own objects at names another file lives at now are moved aside to
+        hidden keys first: when files swap names (a cycle: a->tmp, b->a,
+        tmp->b, or RENAME_EXCHANGE) each holds the other's target, and one
+        of them has to give way.
+        """
+        async with self.ns_lock:
+            keys = list((await self.meta.get_inode(row.ino)).backend_keys)
+            paths = await self.meta.paths_of(row.ino)
+            for i, key in enumerate(keys):
+                if key in paths or not await self._path_alive(key) or await self._holder(key, row.ino) is not None:
+                    continue
+                if stat.S_ISDIR(row.mode):
+                    continue  # a directory's old form holds other files' objects: it goes once they moved
+                head, _, _ = key.rpartition("/")
+                aside = f"{head}/" if head else ""
+                aside += f"{ASIDE_PREFIX}{secrets.token_hex(8)}"
+                # Both names stay locked until the keys are recorded: an import
+                # listing meanwhile must not take the hidden name for a new file.
+                async with self._key_lock(key), self._key_lock(aside):
+                    await self.uploads.forget_sources(key)
+                    await self.backend.move(key, aside)
+                    keys[i] = aside
+                    await self.meta.set_attrs(row.ino, backend_keys=keys)
+                log.info("moved %s aside to %s: another file takes that name first", key, aside)
+        waits = self.defers[row.ino] = self.defers.get(row.ino, 0) + 1
+        if waits % 50 == 0:
+            log.warning("inode %d has waited %d times for other files to move out of its backend names", row.ino, waits)
+        await trio.sleep(min(DEFER_RETRY_S * (1 << min(waits // 20, 6)), PERSIST_BACKOFF_MAX_S))
+        self._queue.enqueue(row.ino)  # runs again after this job ends
+
+    async def _delete_all(self, row) -> None:
+        async with self.ns_lock:
+            for key in row.backend_keys:
+                await self._delete_key(key, row.ino)
+            if not self.host.is_cached(row.ino):
+                await self.meta.delete_inode(row.ino)
+            else:
+                await self.meta.set_state(row.ino, row.state, backend_keys=[])
+
+    async def _delete_key(self, key: str, ino: int) -> None:
+        """Delete ``ino``'s stale object at ``key`` unless it is another file's now.
+
+        Called with ``ns_lock`` held.
+        """
+        async with self._key_lock(key):
+            owner = await self._lookup_path(key)
+            if owner is not None and owner.state is not None and key in owner.backend_keys:
+                return  # the file that has this name now put its own object there
+            if await self._holder(key, ino) is not None:
+                return  # another file's object, about to be moved from here (renamed again)
+            # Otherwise the object is stale even if a file has the name now: that
+            # file has not written it yet (it does so under this lock, later),
+            # and it may be renamed away first, which left the object orphaned
+            # for an import to bring back as a deleted file.
+            await self.uploads.forget_sources(key)
+            await self.backend.delete(key)
+            self._note_vacated(key)
+        await self._prune_dirs(key)
+
+    async def _remove_dir_key(self, key: str) -> None:
+        """A directory moved away from ``key``: its backend directory (marker)
+        goes where empty, and so do the emptied ones above it.  With ``ns_lock``."""
+        if await self._is_dir_of_namespace(key):
+            return  # another directory has that name now
+        try:
+            await self.backend.remove_dir(key)  # does nothing unless empty: files still moving out
+        except BackendError as exc:
+            log.info("backend directory %s not removed: %s", key, exc)
+            return
+        self._note_vacated(key)
+        await self._prune_dirs(key)
+
+    async def _prune_dirs(self, key: str) -> None:
+        """Remove the backend directories above ``key`` that the namespace no
+        longer has, deepest first, where they are now empty.
+
+        They are the old names of renamed or removed directories: the
+        directory's own rmdir cleanup may have run before its files were
+        moved or deleted, and an import would show them again as ghosts.
+        """
+        parent = key.rpartition("/")[0]
+        while parent:
+            row = await self._lookup_path(parent)
+            if row is not None and stat.S_ISDIR(row.mode):
+                return  # still a directory of the namespace (and so are its ancestors)
+            try:
+                await self.backend.remove_dir(parent)  # does nothing unless empty
+            except BackendError as exc:
+                log.info("backend directory %s not removed: %s", parent, exc)
+                return
+            self._note_vacated(parent)
+            parent = parent.rpartition("/")[0]
+
+    def _note_vacated(self, key: str) -> None:
+        now = time.monotonic()
+        self._vacated.pop(key, None)
+        self._vacated[key] = now  # insertion order is time order: old ones go from the front
+        while self._vacated:
+            oldest, when = next(iter(self._vacated.items()))
+            if when >= now - VACATED_KEEP_S:
+                break
+            del self._vacated[oldest]
+
+    async def _is_dir_of_namespace(self, key: str) -> bool:
+        row = await self._lookup_path(key)
+        return row is not None and stat.S_ISDIR(row.mode)
+
+    async def _holder(self, key: str, ino: int, *, below: bool = True) -> int | None:
+        """Another inode whose persisted object is still at ``key`` although
+        its name is elsewhere now (a chain of renames, RENAME_EXCHANGE): it
+        has yet to move that object away, so writing ``key`` would destroy
+        its only backend copy.  Such an inode is always queued here, as moved.
+        ``below=False``: objects below ``key`` are no obstacle (a directory's
+        own form shares its name with them)."""
+        above = set()
+        parent = key.rpartition("/")[0]
+        while parent:
+            above.add(parent)
+            parent = parent.rpartition("/")[0]
+        for other in list(self.moved):
+            if other == ino:
+                continue
+            holds, keys = await self._moved_keys(other)
+            # also objects below ``key`` (a backend directory still in use
+            # there) or at a directory above it (a file where one is needed)
+            if holds and any(k == key or (below and k.startswith(key + "/")) or k in above for k in keys):
+                return other
+        return None
+
+    async def _free_for(self, key: str, ino: int, *, below: bool = True) -> bool:
+        """With ``ns_lock`` held: may ``ino`` write its object at ``key``?  (``below``: see _holder)"""
+        owner = await self._lookup_path(key)
+        if owner is not None and owner.ino != ino:
+            return False  # another file or a directory has that name now
+        return await self._holder(key, ino, below=below) is None
+
+    async def _held(self, keys: list[str], ino: int) -> bool:
+        for key in keys:
+            if await self._holder(key, ino) is not None:
+                return True
+        return False
+
+    async def _place(self, op, key: str, *args) -> bool:
+        """Run ``op(*args)`` that writes ``key`` (publish, move, copy); False if
+        something is in the way there (see _CONFLICT_ERRNOS).  An empty
+        directory left at ``key`` is removed and the write tried again."""
+        for attempt in range(2):
+            try:
+                await op(*args)
+                return True
+            except BackendError as exc:
+                if exc.errno not in _CONFLICT_ERRNOS or isinstance(exc, TransientBackendError):
+                    raise
+                log.info("%s is in the way (%s); waiting for it to go", key, exc)
+                if attempt == 0:
+                    try:
+                        await self.backend.remove_dir(key)  # does nothing unless an empty directory
+                    except BackendError:
+                        return False
+        return False
+
+    async def _moved_keys(self, ino: int) -> tuple[bool, list[str]]:
+        """(holds its keys: linked, not broken, not a directory; backend keys) of a moved inode, cached.
+
+        A directory's old form is no file's only copy: names below it may be
+        written or deleted, and a file at its very key meets it as a conflict
+        (``_place``).
+        """
+        marker = self.moved.get(ino)
+        if isinstance(marker, tuple):
+            return marker
+        try:
+            row = await self.meta.get_inode(ino)
+            holds = row.nlink > 0 and row.state != STATE_BROKEN and not stat.S_ISDIR(row.mode)
+            known = (holds, list(row.backend_keys))
+        except NotFound:
+            known = (False, [])
+        if ino in self.moved and self.moved[ino] is marker and ino not in self._queue.running:
+            self.moved[ino] = known  # not while its job runs: it may change them
+        return known
+
+    async def claimed_keys(self, since: float) -> set[str]:
+        """Backend keys the importer must not bring back as new names (directories to clean: the queue's).
+
+        These are the keys of inodes queued here after a name change (the
+        object is about to be moved or deleted: unlinked, renamed), of unlinked inodes
+        still open or known to the kernel, keys being worked on, and keys
+        removed at or after ``since`` (a ``time.monotonic()``: when the
+        importer's listing started, so the listing may still show them).
+        """
+        keys = set(self.key_locks)
+        keys.update(key for key, when in self._vacated.items() if when >= since)
+        keys |= self.host.unlinked_keys()
+        for ino in list(self.moved):
+            keys.update((await self._moved_keys(ino))[1])
+        return keys
+
+    async def _lookup_path(self, key: str):
+        """The row the namespace has at backend path ``key``, or None."""
+        ino = ROOT_INO
+        try:
+            for name in key.split("/"):
+                ino = (await self.meta.lookup(ino, name.encode("utf-8", "surrogateescape"))).ino
+            return await self.meta.get_inode(ino)
+        except NotFound:
+            return None
+
+    async def _path_alive(self, key: str) -> bool:
+        row = await self._lookup_path(key)
+        return row is not None and row.state is not None
+
+    @asynccontextmanager
+    async def _key_lock(self, key: str):
+        entry = self.key_locks.get(key)
+        if entry is None:
+            entry = self.key_locks[key] = [trio.Lock(), 0]
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self.key_locks[key]
