@@ -8,7 +8,7 @@ import trio
 from aiturbofs import chunk
 from aiturbofs._errors import IntegrityError
 from aiturbofs._limits import CHUNK_BYTES
-from aiturbofs.staging import BackingArea, SpillStore, StagingPool
+from aiturbofs.staging import BackingArea, Pins, SpillStore, StagingPool
 
 
 def run(fn, *args):
@@ -334,5 +334,23 @@ def test_a_fetch_finishing_while_its_file_writes_there_is_not_cached_in_the_rang
         rng.pwrite(0, bytes([9]) * 4096)  # the writer's bytes
         view = pool.view(key, 0, 4096)
         assert view is None or bytes(view) == bytes(data[:4096])  # never the writer's bytes under the old key
+
+    run(main)
+
+
+def test_pins_of_one_owner_are_released_once(tmp_path):
+    """A version (or a replica hold) ends in several ways; whichever comes second must not unpin again."""
+
+    async def main():
+        pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+        key = await _sealed(pool, 5)  # the writer's pin
+        pool.pin(key)  # another file's version shares the chunk
+        pins = Pins(pool, [key])
+        pins.add(key)
+        pins.release()
+        pins.release()
+        assert pins.released and pool.pinned(key)  # the other version's pin is left
+        pool.unpin(key)
+        assert not pool.pinned(key) and pool.stats().clean_bytes == CHUNK_BYTES
 
     run(main)

@@ -51,6 +51,7 @@ from .._limits import (
 from .._nursery import open_nursery
 from ..fabric import Peer, PeerInfo, Transport, format_address, parse_address
 from ..meta import NODE_ALIVE, NODE_DEAD, STATE_BROKEN, STATE_DURABLE
+from ..staging import Pins
 from ._port import CopySource, LocalSide, PersistHints, ReadRequest, Staged, StageRequest
 
 log = logging.getLogger("aiturbofs.cluster")
@@ -134,7 +135,7 @@ class ClusterNode:
         self._peers: dict[str, Peer] = {}
         self._peer_locks: dict[str, trio.Lock] = {}
         self._controller: Peer | None = None  # while the session is up
-        self._holds: dict[int, set[bytes]] = {}  # inode -> replica chunks pinned here for it
+        self._holds: dict[int, Pins] = {}  # inode -> replica chunks pinned here for it (one pin per chunk)
         self._pending: dict[bytes, list[float]] = {}  # received chunks no hold claimed yet
         # Grouped reads: rounds joined (ino, version), a reader waiting for a round's
         # plan, and this node's place in the chains of planned rounds
@@ -240,7 +241,7 @@ class ClusterNode:
                 log.warning("cluster housekeeping: %s", exc)
 
     async def _release_holds(self) -> None:
-        for ino, keys in list(self._holds.items()):
+        for ino, pins in list(self._holds.items()):
             try:
                 row = await self.meta.get_inode(ino)
                 done = row.nlink == 0 or row.state == STATE_BROKEN or (
@@ -248,10 +249,9 @@ class ClusterNode:
                 )
             except NotFound:
                 done = True
-            if done and self._holds.get(ino) is keys:
+            if done and self._holds.get(ino) is pins:
                 del self._holds[ino]
-                for key in keys:
-                    self.pool.unpin(key)
+                pins.release()
         cutoff = time.monotonic() - CLUSTER_HOLD_PENDING_S
         for key, times in list(self._pending.items()):
             while times and times[0] < cutoff:
@@ -327,7 +327,10 @@ class ClusterNode:
 
     def _hold(self, ino: int, keys: list[bytes]) -> None:
         """Turn received chunks into replicas of ``ino``: pinned until it is durable."""
-        held = self._holds.setdefault(ino, set())
+        pins = self._holds.get(ino)
+        if pins is None:
+            pins = self._holds[ino] = Pins(self.pool)
+        held = set(pins.keys)
         for key in keys:
             times = self._pending.get(key)
             if not times:
@@ -339,6 +342,7 @@ class ClusterNode:
                 self.pool.unpin(key)  # one pin per file is enough
             else:
                 held.add(key)
+                pins.keys.append(key)  # the pin store() took is the hold's now
 
     # ===================================================== peers
     async def _peer(self, name: str):

@@ -5,6 +5,7 @@ from ._backing import BackingFile as BackingFile
 from ._backing import Range as Range
 from ._backing import content_key_of as content_key_of
 from ._pool import Entry as Entry
+from ._pool import Pins as Pins
 from ._pool import PoolStats as PoolStats
 from ._pool import StagingPool as StagingPool
 from ._pool import room as room

@@ -608,6 +608,35 @@ class StagingPool:
                 pass  # a view of it outlives the lease (the caller's name for it): unmapped when that goes
 
 
+class Pins:
+    """Pool pins held for one owner: a committed version of a file, or a replica hold for a peer's file.
+
+    Each key in ``keys`` is one pin (a key may repeat).  ``release`` gives
+    them all back once; later calls do nothing, so the owner's several ways
+    of ending (durable, superseded, broken, dropped) cannot unpin twice.
+    """
+
+    __slots__ = ("_pool", "keys", "released")
+
+    def __init__(self, pool: "StagingPool", keys: list[bytes] | None = None):
+        self._pool = pool
+        self.keys: list[bytes] = keys if keys is not None else []  # pinned already, by whoever made them
+        self.released = False
+
+    def add(self, key: bytes) -> None:
+        """Take one more pin of a present chunk ``key`` for this owner."""
+        assert not self.released, "pins added after release"
+        self._pool.pin(key)
+        self.keys.append(key)
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        for key in self.keys:
+            self._pool.unpin(key)
+
+
 class _Flight:
     """One fetch of a chunk that other readers wait for."""
 

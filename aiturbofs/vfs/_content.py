@@ -22,7 +22,7 @@ import trio
 
 from .. import chunk
 from .._limits import CHUNK_BITS
-from ..staging import BackingFile, Range
+from ..staging import BackingFile, Pins, Range
 
 
 class VersionPins:
@@ -33,11 +33,11 @@ class VersionPins:
     memory (or spill) until then, even if the file's slots are written again.
     """
 
-    __slots__ = ("version", "keys")
+    __slots__ = ("version", "pins")
 
-    def __init__(self, version: int, keys: list[bytes]):
+    def __init__(self, version: int, pins: Pins):
         self.version = version
-        self.keys = keys  # one pool pin each (a key may repeat)
+        self.pins = pins
 
 
 class Slot:

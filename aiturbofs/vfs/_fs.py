@@ -59,7 +59,7 @@ from .._threads import background
 from ..cluster import ClusterPort, ReadRequest, SingleNode, StageRequest
 from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED, InodeRow
 from ..persist import Persister
-from ..staging import BackingArea, BackingFile, Range, StagingPool, content_key_of, room
+from ..staging import BackingArea, BackingFile, Pins, Range, StagingPool, content_key_of, room
 from . import _xattr
 from ._content import FileContent, Slot, VersionPins
 from ._fetch import ChunkFetcher
@@ -337,12 +337,11 @@ class Filesystem:
     def _release_pins(self, node: Inode, upto: int | None) -> None:
         """Release the pins of committed versions <= ``upto`` (all of them with None)."""
         keep = []
-        for pins in node.pins:
-            if upto is None or pins.version <= upto:
-                for key in pins.keys:
-                    self.pool.unpin(key)
+        for version in node.pins:
+            if upto is None or version.version <= upto:
+                version.pins.release()
             else:
-                keep.append(pins)
+                keep.append(version)
         node.pins = keep
 
     def _take_pins(self, node: Inode, content: FileContent, version: int, manifest: bytes, extra: list[bytes]) -> None:
@@ -358,12 +357,12 @@ class Filesystem:
                 assert slot.key is not None
                 keys.append(slot.key)
                 slot.pinned = False
+        pins = Pins(self.pool, keys)
         if node.pins:
-            older = {k for pins in node.pins for k in pins.keys}
+            older = {k for v in node.pins for k in v.pins.keys}
             for k in (set(chunk.unpack_manifest(manifest)) & older) - set(keys):
-                self.pool.pin(k)
-                keys.append(k)
-        node.pins.append(VersionPins(version, keys))
+                pins.add(k)
+        node.pins.append(VersionPins(version, pins))
 
     async def getattr(self, ino: int) -> InodeRow:
         node = self._inodes.get(ino)
@@ -1221,7 +1220,7 @@ class Filesystem:
         # Recovery pinned exactly the chunks it found.  The others are
         # unchanged since the last durable version (or lost): they hold no pin.
         keys = chunk.unpack_manifest(row.manifest or b"")
-        node.pins.append(VersionPins(row.version, [keys[i] for i in sorted(pinned)]))
+        node.pins.append(VersionPins(row.version, Pins(self.pool, [keys[i] for i in sorted(pinned)])))
         if backing is not None:
             content.backing = backing
             backing.users += 1
