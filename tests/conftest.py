@@ -14,16 +14,29 @@ def pytest_configure(config):
         raise pytest.UsageError(f"FUSE is needed for the tests: missing {missing or '/dev/fuse'} (apt-get install fuse3)")
 
 
+def _staging_tmpfs_mounts() -> set[str]:
+    """Mount points of the staging tmpfs daemons mount for themselves (source ``aiturbofs-staging``)."""
+    with open("/proc/self/mountinfo") as f:
+        return {line.split()[4] for line in f if " - tmpfs aiturbofs-staging " in line}
+
+
 @pytest.fixture(autouse=True)
 def _remove_staging_dirs():
     """Remove the staging dirs (on the DRAM tmpfs) of the test's mounts: a crash test leaves its own.
 
     Only the dirs of this session's mounts: another test session on the
-    machine has its own there.
+    machine has its own there.  A staging tmpfs that appeared during the test
+    and is left after that belongs to no mount of this session: a daemon left
+    it behind (a failed mount must not), which fails the test.
     """
+    before = _staging_tmpfs_mounts()
     yield
     while STAGING_DIRS:
         wipe_staging(STAGING_DIRS.pop())
+    leaked = _staging_tmpfs_mounts() - before
+    for path in leaked:
+        wipe_staging(path)
+    assert not leaked, f"a daemon left its staging tmpfs mounted: {sorted(leaked)}"
 
 
 @pytest.fixture

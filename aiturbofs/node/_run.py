@@ -181,9 +181,9 @@ async def _main(cfg: NodeConfig, state_dir: str, ready: ReadyPipe) -> int:
     pool = StagingPool(cfg.dram_bytes, spill, eager_spill=cfg.spill is not None)
     staging = BackingArea(cfg.staging or default_staging_dir(state_dir),
                           tmpfs_bytes=None if cfg.staging else _staging_tmpfs_bytes(cfg.dram_bytes))
-    _check_staging_room(staging.directory, cfg.dram_bytes)
-    cluster = _cluster_node(cfg, meta, pool)
     try:
+        _check_staging_room(staging.directory, cfg.dram_bytes)
+        cluster = _cluster_node(cfg, meta, pool)  # a bad secret file fails here: after the tmpfs is mounted
         if cluster is None:
             return await _serve(cfg, state_dir, ready, meta, backend, pool, spill, staging, None)
         async with cluster.transport:
