@@ -449,6 +449,12 @@ class Cluster:
         self.killed.add(i)
         self.nodes[i].kill()
 
+    def restart_node(self, i: int) -> None:
+        """Start node ``i`` again after ``kill_node`` (same state dir, staging dir and fabric address)."""
+        self.nodes[i].start(NODE_START_TIMEOUT_S)
+        self.killed.discard(i)
+        self.wait_joined()
+
     def kill_controller(self) -> None:
         self.controller.kill()
 

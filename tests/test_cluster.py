@@ -389,6 +389,29 @@ def test_last_replica_lost_before_durable_is_broken(make_cluster):
     assert "lost.bin" not in c.objects()
 
 
+def test_a_replica_holder_killed_and_restarted_keeps_its_replica(make_cluster):
+    """kill -9 of a replica holder loses nothing it holds: the replica lives in a backing file of its
+    own, and the restarted daemon holds it again, so the file survives its owner dying next."""
+    c = make_cluster(node_options=NO_REIMPORT)
+    prime_listings(c)
+    data = os.urandom(CHUNK + 12345)
+    with frozen_s3(c):  # nothing becomes durable meanwhile: the replicas are the only other copy
+        within(30, put, c.path(1, "kept.bin"), data)
+        held = {i: c.status(i)["cluster"]["replica_files_held"] for i in (0, 2)}
+        holder = max(held, key=held.get)
+        assert held[holder] == 1 and sum(held.values()) == 1, f"replica holders of kept.bin: {held}"
+        c.kill_node(holder)
+        c.restart_node(holder)
+        assert c.status(holder)["cluster"]["replica_files_held"] == 1, c.nodes[holder].log()
+        assert "recovered replicas=2" in c.nodes[holder].log()
+        c.kill_node(1)  # the owner: only the restarted holder has the bytes now
+    wait_durable(c, holder, ["kept.bin"])
+    other = 2 if holder == 0 else 0
+    assert sha(get(c.path(other, "kept.bin"))) == sha(data)
+    assert sha(c.get_object("kept.bin")) == sha(data)
+    assert any("taken_over path=kept.bin" in line for line in c.nodes[holder].log().splitlines()), c.nodes[holder].log()
+
+
 # ============================================================== (e) controller killed mid-round
 
 

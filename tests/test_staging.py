@@ -8,7 +8,7 @@ import trio
 from aiturbofs import chunk
 from aiturbofs._errors import IntegrityError
 from aiturbofs._limits import CHUNK_BYTES
-from aiturbofs.staging import BackingArea, Pins, SpillStore, StagingPool
+from aiturbofs.staging import BackingArea, Pins, SpillStore, StagingPool, content_key_of
 
 
 def run(fn, *args):
@@ -354,3 +354,27 @@ def test_pins_of_one_owner_are_released_once(tmp_path):
         assert not pool.pinned(key) and pool.stats().clean_bytes == CHUNK_BYTES
 
     run(main)
+
+
+def test_a_replica_lives_in_a_backing_file_of_its_own_and_outlives_the_process(tmp_path):
+    """A peer's chunk stored here is a file named by its digest, found again by the next run."""
+    data = os.urandom(CHUNK_BYTES - 100)
+    key = chunk.content_key(data)
+
+    async def first_run():
+        area = BackingArea(str(tmp_path / "staging"))
+        pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+        await pool.store(key, data, into=area.replica(key).range(0))
+        await pool.store(key, data, into=area.replica(key).range(0))  # a second file's replica: one copy, two pins
+        assert pool.pinned(key) and bytes(pool.view(key)) == data
+        pool.unpin(key)
+        assert pool.pinned(key)
+        area.close()  # the process dies: nothing removes the file
+
+    run(first_run)
+    area = BackingArea(str(tmp_path / "staging"))
+    assert area.found_replicas == {key} and not area.found
+    path = area.replica(key).path
+    assert content_key_of(path, 0, len(data)) == key
+    area.sweep()  # nothing took it: removed
+    assert not os.path.exists(path) and not area.found_replicas

@@ -50,8 +50,8 @@ from .._limits import (
 )
 from .._nursery import open_nursery
 from ..fabric import Peer, PeerInfo, Transport, format_address, parse_address
-from ..meta import NODE_ALIVE, NODE_DEAD, STATE_BROKEN, STATE_DURABLE
-from ..staging import Pins
+from ..meta import NODE_ALIVE, NODE_DEAD, STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED
+from ..staging import BackingArea, Pins, content_key_of
 from ._port import CopySource, LocalSide, PersistHints, ReadRequest, Staged, StageRequest
 
 log = logging.getLogger("aiturbofs.cluster")
@@ -119,9 +119,10 @@ class ClusterNode:
 
     shared = True
 
-    def __init__(self, *, node: str, replicas: int, controller: str | None, meta, pool, transport: Transport,
-                 send_bw: float, recv_bw: float, snic_bw: float):
+    def __init__(self, *, node: str, replicas: int, controller: str | None, meta, pool, staging: BackingArea,
+                 transport: Transport, send_bw: float, recv_bw: float, snic_bw: float):
         self.node = node
+        self.staging = staging  # replicas received are kept in backing files of their own
         self.replicas = replicas
         self.controller_address = controller
         self.meta = meta
@@ -154,6 +155,7 @@ class ClusterNode:
 
     # ============================================================ lifecycle
     async def run(self, listen: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        await self._recover_holds()
         async with open_nursery() as nursery:
             self._nursery = nursery
             address = await nursery.start(self.transport.serve, self)
@@ -240,6 +242,48 @@ class ClusterNode:
             except AiturboError as exc:  # the metadata engine is unreachable: try again
                 log.warning("cluster housekeeping: %s", exc)
 
+    async def _recover_holds(self) -> None:
+        """After a restart: the replicas a previous run kept here for peers' files not yet durable are held again.
+
+        Each is verified (BLAKE3) against its name first.  What no such file
+        needs is removed with the rest of what the previous run left
+        (``BackingArea.sweep``, after the persister's own recovery).
+        """
+        found = self.staging.found_replicas
+        if not found:
+            return
+        restored = 0
+        for row in await self.meta.inodes_in_states([STATE_STAGED, STATE_PERSISTING]):
+            if self.node not in row.holders or row.owner == self.node or row.nlink == 0 or not row.manifest:
+                continue
+            first: dict[bytes, int] = {}  # each chunk of the file, at its first index
+            for index, key in enumerate(chunk.unpack_manifest(row.manifest)[: chunk.chunk_count(row.size)]):
+                if key != chunk.HOLE:
+                    first.setdefault(key, index)
+            pins = None
+            for key, index in first.items():
+                if not self.pool.has(key) and key not in found:
+                    continue  # not kept here (another holder has it), or lost
+                if not self.pool.has(key):
+                    length = chunk.chunk_length(row.size, index)
+                    backing = self.staging.replica(key)
+                    try:
+                        ok = await trio.to_thread.run_sync(content_key_of, backing.path, 0, length) == key
+                    except OSError as exc:
+                        log.warning("replica %s… not recovered: %s", key.hex()[:16], exc)
+                        continue
+                    if not ok:
+                        continue
+                    self.pool.recover_replica(key, backing.range(0), length)
+                else:
+                    self.pool.pin(key)
+                if pins is None:
+                    pins = self._holds.setdefault(row.ino, Pins(self.pool))
+                pins.keys.append(key)
+                restored += 1
+        if restored:
+            log.info("recovered replicas=%d for files of other nodes not yet durable", restored)
+
     async def _release_holds(self) -> None:
         for ino, pins in list(self._holds.items()):
             try:
@@ -299,7 +343,7 @@ class ClusterNode:
         return None
 
     async def put_chunk(self, peer: PeerInfo, key: bytes, data: bytearray) -> bool:
-        await self.pool.store(key, data)
+        await self.pool.store(key, data, into=self.staging.replica(key).range(0))
         self._pending.setdefault(key, []).append(time.monotonic())
         self.stats["chunks_received"] += 1
         return True

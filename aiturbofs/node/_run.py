@@ -157,7 +157,7 @@ def run_node(cfg: NodeConfig, ready_fd: int | None = None) -> int:
         os.close(lock_fd)
 
 
-def _cluster_node(cfg: NodeConfig, meta, pool) -> ClusterNode | None:
+def _cluster_node(cfg: NodeConfig, meta, pool, staging) -> ClusterNode | None:
     """Cluster mode (``fabric=``): this node's fabric endpoint and controller session."""
     if not cfg.cluster:
         return None
@@ -167,7 +167,8 @@ def _cluster_node(cfg: NodeConfig, meta, pool) -> ClusterNode | None:
     transport = open_transport(cfg.transport, cfg.node, secret, host=host, port=port)
     gbps = 1e9 / 8
     return ClusterNode(
-        node=cfg.node, replicas=cfg.replicas, controller=cfg.controller, meta=meta, pool=pool, transport=transport,
+        node=cfg.node, replicas=cfg.replicas, controller=cfg.controller, meta=meta, pool=pool, staging=staging,
+        transport=transport,
         send_bw=cfg.fabric_gbps * gbps, recv_bw=cfg.fabric_gbps * gbps, snic_bw=cfg.snic_gbps * gbps,
     )
 
@@ -183,7 +184,7 @@ async def _main(cfg: NodeConfig, state_dir: str, ready: ReadyPipe) -> int:
                           tmpfs_bytes=None if cfg.staging else _staging_tmpfs_bytes(cfg.dram_bytes))
     try:
         _check_staging_room(staging.directory, cfg.dram_bytes)
-        cluster = _cluster_node(cfg, meta, pool)  # a bad secret file fails here: after the tmpfs is mounted
+        cluster = _cluster_node(cfg, meta, pool, staging)  # a bad secret file fails here: after the tmpfs is mounted
         if cluster is None:
             return await _serve(cfg, state_dir, ready, meta, backend, pool, spill, staging, None)
         async with cluster.transport:

@@ -8,9 +8,13 @@ a ``Range``.  Writes are ``pwrite`` into it, reads ``pread`` from it; ranges
 never written are holes and read as zeros, and a range whose bytes are no
 longer wanted is hole-punched, which gives its memory back.
 
+A chunk this node keeps for a peer's file (a replica) has a backing file of
+its own, ``DIR/r<digest hex>``, with the chunk at offset 0: the receiver
+knows the chunk's digest, not the file's layout.
+
 The staging area outlives the daemon: after a kill -9 the next start finds
-the backing file of every staged file and recovers the chunks that still
-hash to the manifest.  A host reboot empties a tmpfs (see docs/design.md,
+the backing file of every staged file, and every replica, and recovers the
+chunks that still hash to the manifest (a replica: to its name).  A host reboot empties a tmpfs (see docs/design.md,
 "What a crash can lose").
 
 This module knows nothing of the pool or of manifests: it keeps files and
@@ -30,7 +34,7 @@ import os
 from typing import Any
 
 from .. import chunk
-from .._limits import BACKING_FDS_OPEN_MAX, CHUNK_BITS, CHUNK_BYTES
+from .._limits import BACKING_FDS_OPEN_MAX, CHUNK_BITS, CHUNK_BYTES, HASH_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -174,15 +178,35 @@ class Range:
         punch_hole(self.file.fd(), self.offset + start, CHUNK_BYTES - start)
 
 
+REPLICA_PREFIX = "r"
+
+
+def _replica_name(key: bytes) -> str:
+    return REPLICA_PREFIX + key.hex()
+
+
+def _parse_name(name: str) -> int | bytes | None:
+    """The inode number or replica digest a backing file's name gives; None for a foreign file."""
+    if name.isdigit():
+        return int(name)
+    if name.startswith(REPLICA_PREFIX) and len(name) == 1 + 2 * HASH_BYTES:
+        try:
+            return bytes.fromhex(name[1:])
+        except ValueError:
+            return None
+    return None
+
+
 class BackingFile:
-    """One file's bytes, chunk by chunk (see module doc)."""
+    """One file's bytes, chunk by chunk, or one replica chunk at range 0 (see module doc)."""
 
-    __slots__ = ("area", "ino", "path", "_ranges", "users")
+    __slots__ = ("area", "ino", "name", "path", "_ranges", "users")
 
-    def __init__(self, area: "BackingArea", ino: int):
+    def __init__(self, area: "BackingArea", name: str, ino: int | None):
         self.area = area
-        self.ino = ino
-        self.path = os.path.join(area.directory, str(ino))
+        self.ino = ino  # None: a replica's file
+        self.name = name
+        self.path = os.path.join(area.directory, name)
         self._ranges: dict[int, Range] = {}
         self.users = 0  # FileContents holding it (the pool's entries are counted by their ranges)
 
@@ -229,20 +253,31 @@ class BackingArea:
             self.tmpfs = why is None
             if why is not None:
                 log.info("staging dir %s: no tmpfs of its own (%s); using it as it is", self.directory, why)
-        self._files: dict[int, BackingFile] = {}
-        self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()  # ino -> fd, LRU first
-        self.found: set[int] = set()
+        self._files: dict[str, BackingFile] = {}  # by name
+        self._fds: collections.OrderedDict[str, int] = collections.OrderedDict()  # name -> fd, LRU first
+        self.found: set[int] = set()  # inodes whose backing file a previous run left
+        self.found_replicas: set[bytes] = set()  # digests of the replicas it left
         for name in os.listdir(directory):
-            if name.isdigit():
-                self.found.add(int(name))
+            what = _parse_name(name)
+            if isinstance(what, int):
+                self.found.add(what)
+            elif isinstance(what, bytes):
+                self.found_replicas.add(what)
             else:
                 log.warning("staging: ignoring foreign file %s in %s", name, directory)
 
     def file(self, ino: int) -> BackingFile:
         """The backing file of inode ``ino`` (made on first write)."""
-        f = self._files.get(ino)
+        return self._get(str(ino), ino)
+
+    def replica(self, key: bytes) -> BackingFile:
+        """The backing file of the replica of chunk ``key`` (its range 0)."""
+        return self._get(_replica_name(key), None)
+
+    def _get(self, name: str, ino: int | None) -> BackingFile:
+        f = self._files.get(name)
         if f is None:
-            f = self._files[ino] = BackingFile(self, ino)
+            f = self._files[name] = BackingFile(self, name, ino)
         return f
 
     def existing(self, ino: int) -> BackingFile | None:
@@ -250,26 +285,29 @@ class BackingArea:
         return self.file(ino) if ino in self.found else None
 
     def _fd(self, f: BackingFile) -> int:
-        fd = self._fds.get(f.ino)
+        fd = self._fds.get(f.name)
         if fd is not None:
-            self._fds.move_to_end(f.ino)
+            self._fds.move_to_end(f.name)
             return fd
         while len(self._fds) >= BACKING_FDS_OPEN_MAX:
-            _ino, old = self._fds.popitem(last=False)
+            _name, old = self._fds.popitem(last=False)
             os.close(old)
         fd = os.open(f.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        self._fds[f.ino] = fd
+        self._fds[f.name] = fd
         return fd
 
     def release(self, f: BackingFile) -> None:
         """Remove ``f`` once nothing uses it any more."""
-        if f.in_use or self._files.get(f.ino) is not f:
+        if f.in_use or self._files.get(f.name) is not f:
             return
-        del self._files[f.ino]
-        fd = self._fds.pop(f.ino, None)
+        del self._files[f.name]
+        fd = self._fds.pop(f.name, None)
         if fd is not None:
             os.close(fd)
-        self.found.discard(f.ino)
+        if f.ino is not None:
+            self.found.discard(f.ino)
+        else:
+            self.found_replicas.discard(bytes.fromhex(f.name[1:]))
         try:
             os.unlink(f.path)
         except FileNotFoundError:
@@ -279,6 +317,8 @@ class BackingArea:
         """After recovery: remove what the previous run left that nothing took."""
         for ino in list(self.found):
             self.release(self.file(ino))
+        for key in list(self.found_replicas):
+            self.release(self.replica(key))
 
     def bytes_allocated(self) -> int:
         """What the backing files hold (st_blocks), for status."""
@@ -295,12 +335,13 @@ class BackingArea:
         self.close()
         self._files.clear()
         self.found.clear()
+        self.found_replicas.clear()
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             return  # removed by someone else meanwhile
         for name in names:
-            if name.isdigit():
+            if _parse_name(name) is not None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(self.directory, name))
         if self.tmpfs:
@@ -313,7 +354,7 @@ class BackingArea:
     def remove_if_empty(self) -> None:
         """At exit: a staging dir with no backing file left holds nothing to recover: remove it (and its tmpfs)."""
         try:
-            if any(name.isdigit() for name in os.listdir(self.directory)):
+            if any(_parse_name(name) is not None for name in os.listdir(self.directory)):
                 return
         except FileNotFoundError:
             return

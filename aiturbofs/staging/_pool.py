@@ -269,6 +269,16 @@ class StagingPool:
             self.pin(key)
         self._place(e)
 
+    def recover_replica(self, key: bytes, rng: Range, length: int) -> None:
+        """After a restart: a replica's backing file (checked to hold ``key``) is the chunk again, pinned once."""
+        charge = CHUNK_BYTES if length > CHUNK_BYTES // 2 else _small_capacity(length)
+        e = self._entries.get(key)
+        if e is not None and (e.resident or e.spilled):
+            self.pin(key)
+            return
+        self.count_recovered(charge)
+        self.adopt_range(key, rng, length, charge)
+
     def count_recovered(self, charge: int) -> None:
         """Count a range a previous run left (recovery), even past the budget: its bytes are there."""
         self.used_bytes += charge
@@ -329,19 +339,37 @@ class StagingPool:
             log.warning("could not free chunk %d of %s: %s", rng.index, rng.file.path, exc)
         rng.file.area.release(rng.file)
 
-    async def store(self, key: bytes, data) -> None:
+    async def store(self, key: bytes, data, *, into: Range | None = None) -> None:
         """Keep a copy of a verified chunk from elsewhere (a peer's replica), pinned like ``adopt``.
 
-        Waits for memory like a writer does: a replica is dirty data too.
+        ``into``: the range of a backing file to keep it in (a replica's
+        own file: it then survives a daemon crash), else a buffer.  Waits
+        for memory like a writer does: a replica is dirty data too.
         """
         e = self._entries.get(key)
-        if e is not None and (e.buf is not None or e.spilled):
+        if e is not None and (e.resident or e.spilled):
             self.pin(key)
             return
         n = len(data)
-        buf = await self.alloc(CHUNK_BYTES if n > CHUNK_BYTES // 2 else _small_capacity(n))
-        buf[:n] = data
-        self.adopt(key, buf, n)
+        charge = CHUNK_BYTES if n > CHUNK_BYTES // 2 else _small_capacity(n)
+        if into is None:
+            buf = await self.alloc(charge)
+            buf[:n] = data
+            self.adopt(key, buf, n)
+            return
+        await self.reserve(charge)
+        e = self._entries.get(key)
+        if e is not None and (e.resident or e.spilled):  # the same chunk arrived while we waited
+            self.unreserve(charge)
+            self.pin(key)
+            return
+        try:
+            into.pwrite(0, data)
+        except BaseException:
+            self.unreserve(charge)
+            self._punch(into)
+            raise
+        self.adopt_range(key, into, n, charge)
 
     def pin(self, key: bytes) -> None:
         """Add a not-yet-durable reference to a present chunk."""
