@@ -114,26 +114,32 @@ def test_durable_chunk_leaves_the_spill_dir(tmp_path):
     run(main)
 
 
+async def _concurrent_misses(pool: StagingPool, readers: int) -> tuple[bytes, int, list[bytes]]:
+    """``readers`` reads of one missing chunk at once: (its key, fetches made, what each reader got)."""
+    key, data = _chunk(9)
+    calls = []
+
+    async def fetch():
+        calls.append(1)
+        await trio.sleep(0.05)
+        return bytes(data)
+
+    results = []
+
+    async def reader():
+        results.append(bytes((await pool.read(key, fetch))[:4]))
+
+    async with trio.open_nursery() as n:
+        for _ in range(readers):
+            n.start_soon(reader)
+    return key, len(calls), results
+
+
 def test_concurrent_misses_fetch_once(tmp_path):
     async def main():
         pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
-        key, data = _chunk(9)
-        calls = []
-
-        async def fetch():
-            calls.append(1)
-            await trio.sleep(0.1)
-            return bytes(data)
-
-        results = []
-
-        async def reader():
-            results.append(bytes((await pool.read(key, fetch))[:4]))
-
-        async with trio.open_nursery() as n:
-            for _ in range(5):
-                n.start_soon(reader)
-        assert len(calls) == 1 and results == [bytes([9]) * 4] * 5
+        _key, calls, results = await _concurrent_misses(pool, 5)
+        assert calls == 1 and results == [bytes([9]) * 4] * 5
 
     run(main)
 
@@ -202,24 +208,9 @@ def test_eight_misses_under_a_full_pool_make_one_fetch(tmp_path):
     # after another (8 fetches in series).  They now get the one result.
     async def main():
         pool = await _full_pool(tmp_path)
-        key, data = _chunk(9)
-        calls = []
-
-        async def fetch():
-            calls.append(1)
-            await trio.sleep(0.05)
-            return bytes(data)
-
-        results = []
-
-        async def reader():
-            results.append(bytes((await pool.read(key, fetch))[:4]))
-
-        async with trio.open_nursery() as n:
-            for _ in range(8):
-                n.start_soon(reader)
+        key, calls, results = await _concurrent_misses(pool, 8)
         assert pool.view(key) is None  # really not cached
-        assert len(calls) == 1 and results == [bytes([9]) * 4] * 8
+        assert calls == 1 and results == [bytes([9]) * 4] * 8
 
     run(main)
 
