@@ -91,10 +91,10 @@ def test_checker_catches_a_violation(tmp_path):
         bad.unlink()
 
 
-def test_the_vfs_and_persister_talk_to_one_cluster_port():
+def test_the_layers_above_the_cluster_talk_to_one_port():
     """A node alone is a port too (``SingleNode``): no code above it asks whether there is a cluster."""
     offenders = []
-    for layer in ("vfs", "persist"):
+    for layer in ("fuse", "vfs", "persist"):
         for path in (PKG / layer).rglob("*.py"):
             for n, line in enumerate(path.read_text().splitlines(), 1):
                 if "cluster is None" in line or "cluster is not None" in line:

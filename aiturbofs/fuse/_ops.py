@@ -126,7 +126,7 @@ class Operations(pyfuse3.Operations):
     @fuse_handler
     async def open(self, inode, flags, ctx):
         handle, keep_cache = await self.fs.open(inode, flags)
-        if not keep_cache and self.fs.cluster is not None:
+        if not keep_cache and self.fs.cluster.shared:
             # Close-to-open across nodes: another node may have changed the
             # size within the kernel's attribute timeout; make it ask again.
             # (Attributes only: no page lock is taken, so this is safe here.)
