@@ -337,9 +337,9 @@ class ClusterNode:
             # it if need be).  Only nodes downstream wait, and they only ever ask
             # upstream, so no two nodes wait on each other; anyone else (a chain
             # head looking in holders' DRAM) is answered at once.
-            view = await self.pool.read(key, lambda: local.chunk(link.ino, link.index, key, link.length))
+            data = await local.read_chunk(link.ino, link.index, key, link.length)
             self.stats["chunks_served"] += 1
-            return bytes(view)
+            return data
         return None
 
     async def put_chunk(self, peer: PeerInfo, key: bytes, data: bytearray) -> bool:
@@ -591,7 +591,7 @@ class ClusterNode:
             if not self.pool.has(key):
                 local = self.local
                 assert local is not None  # grouped reads come from the Filesystem: it is set
-                await self.pool.read(key, lambda: local.chunk(ino, index, key, length))
+                await local.read_chunk(ino, index, key, length)  # into the file's backing file
                 self.stats["chunks_prefetched"] += 1
         except AiturboError as exc:
             log.info("prefetch of chunk %d of inode %d failed (%s); the reader fetches it itself", index, ino, exc)

@@ -133,8 +133,9 @@ class ClusterPort(Protocol):
 class LocalSide(Protocol):
     """What the cluster data plane asks of this node's VFS."""
 
-    async def chunk(self, ino: int, index: int, key: bytes, length: int) -> bytes:
-        """Chunk ``index`` of ``ino`` through the reader's tiers (a chain successor waits for it)."""
+    async def read_chunk(self, ino: int, index: int, key: bytes, length: int) -> bytes:
+        """Chunk ``index`` of ``ino`` as a reader gets it: from the pool, else through the reader's tiers,
+        kept in the file's backing file (a read round's prefetch; a chain successor waiting for it)."""
 
     async def upload_for_peer(self, backend_key: str, token: str, index: int, key: bytes, length: int, holders: list[str]) -> str:
         """Send part ``index`` of another node's upload; returns its receipt."""

@@ -1107,6 +1107,20 @@ class Filesystem:
             assert self._nursery is not None  # started
             self._nursery.start_soon(self._prefetch, node, content, index, key, chunk.chunk_length(content.size, index))
 
+    async def read_chunk(self, ino: int, index: int, key: bytes, length: int) -> bytes:
+        """Chunk ``key`` (chunk ``index`` of ``ino``) for the cluster: a read round's prefetch, a chain successor.
+
+        Fetched as a reader fetches it, and kept in the file's backing file
+        while the file is open here with that chunk (else in a pool buffer).
+        """
+        node = self._inodes.get(ino)
+        content = node.content if node is not None else None
+        slot = content.slot_at(index) if content is not None else None
+        into = self._backing(node, content).range(index) if node and content and slot and slot.key == key else None
+        row = node.row if node is not None else None
+        data = await self.pool.read(key, lambda: self.fetcher.chunk(ino, index, key, length, row), into=into)
+        return bytes(data)
+
     async def _prefetch(self, node: Inode, content: FileContent, index: int, key: bytes, length: int) -> None:
         try:
             into = self._backing(node, content).range(index) if node.content is content else None

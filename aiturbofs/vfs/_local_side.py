@@ -9,8 +9,8 @@ class VfsLocalSide(LocalSide):
     def __init__(self, fs):
         self._fs = fs
 
-    async def chunk(self, ino: int, index: int, key: bytes, length: int) -> bytes:
-        return await self._fs.fetcher.chunk(ino, index, key, length)
+    async def read_chunk(self, ino: int, index: int, key: bytes, length: int) -> bytes:
+        return await self._fs.read_chunk(ino, index, key, length)
 
     async def upload_for_peer(self, backend_key: str, token: str, index: int, key: bytes, length: int, holders: list[str]) -> str:
         return await self._fs.persister.upload_for_peer(backend_key, token, index, key, length, holders)
