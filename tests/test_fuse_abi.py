@@ -1,4 +1,4 @@
-"""The kernel protocol layouts of aiturbofs.fuse._abi against the kernel's own header.
+"""The kernel protocol layouts of aiturbofs.fuse._abi against the kernel's header and the kernel.
 
 A C probe compiled against the installed <linux/fuse.h> prints the size of
 every structure and the offset of every field it has; each must equal the
@@ -8,17 +8,20 @@ running kernel checks those when it accepts an INIT reply and a
 passthrough open.
 """
 
+import json
 import os
 import shutil
 import subprocess
+import tempfile
 
 import pytest
+from mounting import aiturbo
 
-from aiturbofs.fuse import _abi
+from aiturbofs.fuse import _abi, probe_passthrough
 
 HEADER = "/usr/include/linux/fuse.h"
-pytestmark = pytest.mark.skipif(shutil.which("gcc") is None or not os.path.exists(HEADER),
-                                reason=f"gcc or {HEADER} missing (scripts/setup.sh --test installs gcc, linux-libc-dev)")
+needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None or not os.path.exists(HEADER),
+                               reason=f"gcc or {HEADER} missing (scripts/setup.sh --test installs gcc, linux-libc-dev)")
 
 # all a 7.38 header (Debian 12) may lack: 7.40 passthrough, 7.43 request timeouts
 UNKNOWN_TO_738 = ["struct fuse_backing_map", "struct fuse_init_out.max_stack_depth",
@@ -47,6 +50,7 @@ def _probe(tmp_path, exprs: list[str]) -> list[int]:
     return [int(x) for x in subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()]
 
 
+@needs_gcc
 def test_every_layout_matches_the_installed_kernel_header(tmp_path):
     checks: list[tuple[str, str, int]] = []  # (what, C expression, our value)
     unknown = []
@@ -110,3 +114,34 @@ def test_layouts_pack_and_unpack_by_name():
         _abi.OPEN_OUT.pack(fh=1, backing=2)
     assert _abi.dirent_size(1) == 32 and _abi.dirent_size(8) == 32 and _abi.dirent_size(9) == 40
     assert _abi.dirent_size(1, plus=True) == 128 + 24 + 8
+
+
+# ---------------------------------------------------------------- the live kernel
+def _kernel_at_least(major: int, minor: int) -> bool:
+    release = os.uname().release.split("-")[0].split(".")
+    return (int(release[0]), int(release[1])) >= (major, minor)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse")
+def test_the_kernel_takes_our_init_reply_and_a_backing_file():
+    """The 7.40 fields the header above cannot check: the kernel enables passthrough only if INIT's
+    reply carries it with max_stack_depth in its place, and then takes a backing_map."""
+    got = probe_passthrough()
+    if _kernel_at_least(6, 9):
+        assert got.available, got
+        assert got.reason.startswith("negotiated with FUSE 7.") and int(got.protocol.split(".")[1]) >= 40, got
+    else:
+        assert not got.available and "7.40" in got.reason, got
+    with open("/proc/self/mountinfo") as f:
+        assert "aiturbofs-probe" not in f.read()  # unmounted again
+    assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("aiturbofs-probe-")]
+
+
+def test_status_says_which_data_path_serves_and_whether_passthrough_is_there(mnt):
+    st = json.loads(aiturbo("status", mnt.mountpoint, "--json").stdout)
+    f = st["fuse"]
+    assert f["datapath"] == "pyfuse3"
+    assert f["passthrough_available"] == probe_passthrough().available and f["passthrough"], f
+    human = aiturbo("status", mnt.mountpoint).stdout
+    assert "pyfuse3 data path; kernel passthrough " in human, human
+    assert "fuse_datapath=pyfuse3 passthrough=" in mnt.log()

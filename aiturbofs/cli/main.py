@@ -136,6 +136,10 @@ def _print_status(s: dict, clusters_shown: set) -> None:
     staging = s.get("staging")
     if staging:
         print(f"  staging  {staging['dir']}: {_human(staging['allocated_bytes'])} in backing files (DRAM if a tmpfs)")
+    f = s.get("fuse")
+    if f:
+        print(f"  fuse     {f['datapath']} data path; kernel passthrough "
+              f"{'available' if f['passthrough_available'] else 'unavailable'}: {f['passthrough']}")
     print(f"  persist  queue {p['queue']}, durable {p['files_durable']}, broken {p['files_broken']}, "
           f"uploaded {_human(p['bytes_uploaded'])}, retries {p['retries']}"
           + (f", copied server-side {_human(p['bytes_copied'])}" if p.get("bytes_copied") else ""))

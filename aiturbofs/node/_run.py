@@ -37,7 +37,7 @@ from .._nursery import open_nursery
 from ..cluster import ClusterNode, SingleNode
 from ..controller import EmbeddedController
 from ..fabric import load_secret, open_transport, parse_address
-from ..fuse import Operations
+from ..fuse import Operations, probe_passthrough
 from ..staging import BackingArea, SpillStore, StagingPool
 from ..vfs import Filesystem, VfsLocalSide, VfsOptions
 from . import _control, _metrics
@@ -219,6 +219,9 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
     port = cluster if cluster is not None else SingleNode(controller.report_close)
     fs = Filesystem(meta, backend, pool, vopts, staging=staging, cluster=port)
     ops = Operations(fs, debug_faults=cfg.debug_faults)
+    passthrough = await trio.to_thread.run_sync(probe_passthrough)
+    log.info("fuse_datapath=pyfuse3 passthrough=%s (%s)", "available" if passthrough.available else "unavailable",
+             passthrough.reason)
     started = time.time()
     exit_code = 0
     async with open_nursery() as nursery:
@@ -232,7 +235,7 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
         metrics_url = await _start_metrics(nursery, cfg, fs, pool, cluster, controller)
         if cluster is not None:
             cluster.metrics_url = metrics_url
-        dispatch = _Dispatcher(cfg, fs, pool, controller, ops, started, cluster, metrics_url)
+        dispatch = _Dispatcher(cfg, fs, pool, controller, ops, started, cluster, metrics_url, passthrough)
         await nursery.start(_control.serve, control_socket(cfg.mountpoint), dispatch)
         try:
             pyfuse3.init(ops, cfg.mountpoint, _fuse_options(cfg))
@@ -371,9 +374,10 @@ async def _watch_unmount(mountpoint: str, session: _Session) -> None:
 class _Dispatcher:
     """Answers control-socket requests from the running daemon's state."""
 
-    def __init__(self, cfg, fs, pool, controller, ops, started, cluster, metrics_url):
+    def __init__(self, cfg, fs, pool, controller, ops, started, cluster, metrics_url, passthrough):
         self.cfg, self.fs, self.pool, self.controller, self.ops, self.started = cfg, fs, pool, controller, ops, started
         self.cluster, self.metrics_url = cluster, metrics_url
+        self.passthrough = passthrough
 
     async def __call__(self, request: dict) -> dict:
         cmd = request.get("cmd")
@@ -398,6 +402,9 @@ class _Dispatcher:
             "metrics": self.metrics_url,
             "pool": vars(self.pool.stats()),
             "staging": {"dir": self.fs.staging.directory, "allocated_bytes": self.fs.staging.bytes_allocated()},
+            # the data path serving requests; whether the kernel would take backing files (FUSE passthrough)
+            "fuse": {"datapath": "pyfuse3", "passthrough_available": self.passthrough.available,
+                     "passthrough": self.passthrough.reason},
             "persist": {
                 "queue": p.queue_length(), "queued": queued, "bytes_uploaded": p.stats.bytes_uploaded,
                 "bytes_fetched": self.fs.fetcher.bytes_fetched, "bytes_copied": p.stats.bytes_copied,
