@@ -46,7 +46,7 @@ Fetch = Callable[[], Awaitable[bytes]]
 
 def room(want: int, index: int) -> int:
     """The budget an open chunk holding ``want`` bytes counts for: a small file's first chunk counts what it uses."""
-    return CHUNK_BYTES if (want > SMALL_BUFFER_BYTES or index > 0) else max(4096, 1 << max(0, want - 1).bit_length())
+    return CHUNK_BYTES if (want > SMALL_BUFFER_BYTES or index > 0) else _charge_of(want)
 
 
 class Entry:
@@ -271,7 +271,7 @@ class StagingPool:
 
     def recover_replica(self, key: bytes, rng: Range, length: int) -> None:
         """After a restart: a replica's backing file (checked to hold ``key``) is the chunk again, pinned once."""
-        charge = CHUNK_BYTES if length > CHUNK_BYTES // 2 else _small_capacity(length)
+        charge = _charge_of(length)
         e = self._entries.get(key)
         if e is not None and (e.resident or e.spilled):
             self.pin(key)
@@ -307,7 +307,7 @@ class StagingPool:
             if e.pins and not e.spilled:
                 e.leases += 1  # not evicted (punched) while we wait for the buffer
                 try:
-                    buf = await self.alloc(CHUNK_BYTES if e.length > CHUNK_BYTES // 2 else _small_capacity(e.length))
+                    buf = await self.alloc(_charge_of(e.length))
                 finally:
                     self._let_go(e)
                 if rng.entry is not e or e.leases:
@@ -351,7 +351,7 @@ class StagingPool:
             self.pin(key)
             return
         n = len(data)
-        charge = CHUNK_BYTES if n > CHUNK_BYTES // 2 else _small_capacity(n)
+        charge = _charge_of(n)
         if into is None:
             buf = await self.alloc(charge)
             buf[:n] = data
@@ -559,7 +559,7 @@ class StagingPool:
         e = self._entries.get(key)
         if e is not None and e.resident:
             return
-        cap = CHUNK_BYTES if n > CHUNK_BYTES // 2 else _small_capacity(n)
+        cap = _charge_of(n)
         if self.used_bytes + cap > self.budget_bytes and not self._evict_one() and not self._free:
             return
         if into is not None and into.entry is None and not into.writing:
@@ -575,11 +575,7 @@ class StagingPool:
                 self.unreserve(cap)
                 log.warning("could not cache a chunk in %s: %s", into.file.path, exc)
                 return
-            if e is None:
-                e = self._entries[key] = Entry(key, None, n)
-            e.rng, e.length, e.charge = into, n, cap
-            into.entry = e
-            self._place(e)
+            self.adopt_range(key, into, n, cap, pin=False)
             return
         if cap == CHUNK_BYTES and self._free:
             buf = self._free.pop()
@@ -676,8 +672,9 @@ class _Flight:
         self.error: Exception | None = None
 
 
-def _small_capacity(n: int) -> int:
-    return max(4096, 1 << max(0, n - 1).bit_length())
+def _charge_of(n: int) -> int:
+    """The budget a sealed chunk of ``n`` bytes counts for: a full chunk, or a small one's power of two."""
+    return CHUNK_BYTES if n > CHUNK_BYTES // 2 else max(4096, 1 << max(0, n - 1).bit_length())
 
 
 def _slice(data, start: int, count: int | None):
