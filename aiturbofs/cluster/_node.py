@@ -260,29 +260,33 @@ class ClusterNode:
             for index, key in enumerate(chunk.unpack_manifest(row.manifest)[: chunk.chunk_count(row.size)]):
                 if key != chunk.HOLE:
                     first.setdefault(key, index)
-            pins = None
             for key, index in first.items():
-                if not self.pool.has(key) and key not in found:
-                    continue  # not kept here (another holder has it), or lost
-                if not self.pool.has(key):
-                    length = chunk.chunk_length(row.size, index)
-                    backing = self.staging.replica(key)
-                    try:
-                        ok = await trio.to_thread.run_sync(content_key_of, backing.path, 0, length) == key
-                    except OSError as exc:
-                        log.warning("replica %s… not recovered: %s", key.hex()[:16], exc)
-                        continue
-                    if not ok:
-                        continue
-                    self.pool.recover_replica(key, backing.range(0), length)
-                else:
+                length = chunk.chunk_length(row.size, index)
+                if self.pool.has(key):
                     self.pool.pin(key)
-                if pins is None:
-                    pins = self._holds.setdefault(row.ino, Pins(self.pool))
-                pins.keys.append(key)
+                elif key in found and await self._replica_verified(key, length):
+                    self.pool.recover_replica(key, self.staging.replica(key).range(0), length)
+                else:
+                    continue  # not kept here (another holder has it), or lost
+                self._hold_pins(row.ino).keys.append(key)
                 restored += 1
         if restored:
             log.info("recovered replicas=%d for files of other nodes not yet durable", restored)
+
+    async def _replica_verified(self, key: bytes, length: int) -> bool:
+        """Does the replica file a previous run left for ``key`` still hash to it?"""
+        try:
+            return await trio.to_thread.run_sync(content_key_of, self.staging.replica(key).path, 0, length) == key
+        except OSError as exc:
+            log.warning("replica %s… not recovered: %s", key.hex()[:16], exc)
+            return False
+
+    def _hold_pins(self, ino: int) -> Pins:
+        """The pins this node holds for ``ino``'s replicas (made empty on first use)."""
+        pins = self._holds.get(ino)
+        if pins is None:
+            pins = self._holds[ino] = Pins(self.pool)
+        return pins
 
     async def _release_holds(self) -> None:
         for ino, pins in list(self._holds.items()):
@@ -371,9 +375,7 @@ class ClusterNode:
 
     def _hold(self, ino: int, keys: list[bytes]) -> None:
         """Turn received chunks into replicas of ``ino``: pinned until it is durable."""
-        pins = self._holds.get(ino)
-        if pins is None:
-            pins = self._holds[ino] = Pins(self.pool)
+        pins = self._hold_pins(ino)
         held = set(pins.keys)
         for key in keys:
             times = self._pending.get(key)
