@@ -13,7 +13,6 @@ a few milliseconds and leaves nothing behind.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import logging
@@ -23,15 +22,10 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
+from .._syscalls import MS_NODEV, MS_NOSUID, mount, unmount_lazy
 from . import _abi
 
 log = logging.getLogger("aiturbofs.fuse")
-
-_MS_NOSUID, _MS_NODEV = 0x2, 0x4
-_MNT_DETACH = 0x2
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
 
 @dataclass(frozen=True)
@@ -49,9 +43,9 @@ def probe_passthrough() -> Passthrough:
     mnt = tempfile.mkdtemp(prefix="aiturbofs-probe-")
     mounted = False
     try:
-        opts = f"fd={dev},rootmode=40000,user_id={os.getuid()},group_id={os.getgid()}".encode()
-        if _libc.mount(b"aiturbofs-probe", mnt.encode(), b"fuse.aiturbofs-probe", _MS_NOSUID | _MS_NODEV, opts):
-            e = ctypes.get_errno()
+        opts = f"fd={dev},rootmode=40000,user_id={os.getuid()},group_id={os.getgid()}"
+        e = mount("aiturbofs-probe", mnt, "fuse.aiturbofs-probe", MS_NOSUID | MS_NODEV, opts)
+        if e:
             why = "needs CAP_SYS_ADMIN" if e == errno.EPERM else os.strerror(e)
             return Passthrough(False, f"mount(2) of /dev/fuse failed: {why}")
         mounted = True
@@ -59,8 +53,9 @@ def probe_passthrough() -> Passthrough:
     except OSError as exc:
         return Passthrough(False, f"FUSE handshake failed: {exc}")
     finally:
-        if mounted and _libc.umount2(mnt.encode(), _MNT_DETACH):
-            log.warning("passthrough probe: could not unmount %s: %s", mnt, os.strerror(ctypes.get_errno()))
+        e = unmount_lazy(mnt) if mounted else 0
+        if e:
+            log.warning("passthrough probe: could not unmount %s: %s", mnt, os.strerror(e))
         os.close(dev)  # ends the connection
         shutil.rmtree(mnt, ignore_errors=True)
 

@@ -35,23 +35,14 @@ from typing import Any
 
 from .. import chunk
 from .._limits import BACKING_FDS_OPEN_MAX, CHUNK_BITS, CHUNK_BYTES, HASH_BYTES
+from .._syscalls import MS_NODEV, MS_NOSUID, MS_REMOUNT, is_mount_point, mount, unmount_lazy
 
 log = logging.getLogger(__name__)
 
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
-_MS_NOSUID, _MS_NODEV, _MS_REMOUNT = 0x2, 0x4, 0x20
-_MNT_DETACH = 0x2
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-
-
-def is_mount_point(path: str) -> bool:
-    path = os.path.abspath(path)
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == path for line in f)
 
 
 def mount_tmpfs(directory: str, size_bytes: int) -> str | None:
@@ -62,19 +53,20 @@ def mount_tmpfs(directory: str, size_bytes: int) -> str | None:
     4 KiB).  A mount a crashed run left is kept (its files are the staged
     data) and resized.  Needs CAP_SYS_ADMIN.
     """
-    opts = f"size={size_bytes},huge=within_size,mode=0700".encode()
+    opts = f"size={size_bytes},huge=within_size,mode=0700"
     if is_mount_point(directory):
-        if _libc.mount(b"aiturbofs-staging", directory.encode(), b"tmpfs", _MS_REMOUNT | _MS_NOSUID | _MS_NODEV, opts):
-            log.warning("staging tmpfs at %s kept at its old size: %s", directory, os.strerror(ctypes.get_errno()))
+        e = mount("aiturbofs-staging", directory, "tmpfs", MS_REMOUNT | MS_NOSUID | MS_NODEV, opts)
+        if e:
+            log.warning("staging tmpfs at %s kept at its old size: %s", directory, os.strerror(e))
         return None
-    if _libc.mount(b"aiturbofs-staging", directory.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts):
-        return os.strerror(ctypes.get_errno())
-    return None
+    e = mount("aiturbofs-staging", directory, "tmpfs", MS_NOSUID | MS_NODEV, opts)
+    return os.strerror(e) if e else None
 
 
 def unmount(directory: str) -> None:
-    if is_mount_point(directory) and _libc.umount2(directory.encode(), _MNT_DETACH):
-        log.warning("could not unmount the staging tmpfs %s: %s", directory, os.strerror(ctypes.get_errno()))
+    e = unmount_lazy(directory) if is_mount_point(directory) else 0
+    if e:
+        log.warning("could not unmount the staging tmpfs %s: %s", directory, os.strerror(e))
 
 
 def punch_hole(fd: int, offset: int, length: int) -> None:

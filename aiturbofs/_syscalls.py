@@ -1,0 +1,31 @@
+"""mount(2) and umount2(2), which Python's os module lacks: for the staging tmpfs and the passthrough probe."""
+
+import ctypes
+import os
+
+MS_NOSUID, MS_NODEV, MS_REMOUNT = 0x2, 0x4, 0x20
+_MNT_DETACH = 0x2
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+
+
+def mount(source: str, target: str, fstype: str, flags: int, data: str) -> int:
+    """mount(2); 0, or the errno it failed with."""
+    if _libc.mount(source.encode(), target.encode(), fstype.encode(), flags, data.encode()):
+        return ctypes.get_errno()
+    return 0
+
+
+def unmount_lazy(target: str) -> int:
+    """umount2(target, MNT_DETACH); 0, or the errno it failed with."""
+    if _libc.umount2(target.encode(), _MNT_DETACH):
+        return ctypes.get_errno()
+    return 0
+
+
+def is_mount_point(path: str) -> bool:
+    path = os.path.abspath(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == path for line in f)
