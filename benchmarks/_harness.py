@@ -223,11 +223,16 @@ def read_together(paths: list[str], want: list[str], timeout_s: float, what: str
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds(pid: int) -> float:
-    """user+system CPU seconds of a process so far (exited threads included)."""
+def cpu_times(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process so far (exited threads included)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
+
+
+def cpu_seconds(pid: int) -> float:
+    """user+system CPU seconds of a process so far (exited threads included)."""
+    return sum(cpu_times(pid))
 
 
 def median(values: list[float]) -> float:

@@ -40,16 +40,10 @@ GiB = 1 << 30
 DURABLE_TIMEOUT_S = 600.0
 
 
-def _cpu(pid: int) -> tuple[float, float]:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return int(fields[11]) / h.CLK_TCK, int(fields[12]) / h.CLK_TCK
-
-
 def _py_wronly(path: str, size: int, pid: int) -> dict:
     buf = mmap.mmap(-1, MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buf[:] = os.urandom(MiB)
-    u0, s0 = _cpu(pid)
+    u0, s0 = h.cpu_times(pid)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     t0 = time.monotonic()
     for off in range(0, size, MiB):
@@ -58,14 +52,14 @@ def _py_wronly(path: str, size: int, pid: int) -> dict:
     t1 = time.monotonic()
     os.close(fd)
     t2 = time.monotonic()
-    u1, s1 = _cpu(pid)
+    u1, s1 = h.cpu_times(pid)
     return {"mib_s": size / MiB / (t1 - t0), "close_s": t2 - t1, "user_s": u1 - u0, "sys_s": s1 - s0}
 
 
 def _fio(directory: str, size: int, pid: int) -> dict:
-    u0, s0 = _cpu(pid)
+    u0, s0 = h.cpu_times(pid)
     r = fb.run_fio(directory, "write", MiB, 1, size)
-    u1, s1 = _cpu(pid)
+    u1, s1 = h.cpu_times(pid)
     return {"mib_s": r["mib_s"], "close_s": float("nan"), "user_s": u1 - u0, "sys_s": s1 - s0}
 
 
