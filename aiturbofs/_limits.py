@@ -50,8 +50,8 @@ POOL_DEFAULT_RAM_FRACTION = 0.25  # default -o dram: a quarter of total RAM
 POOL_BYTES_MIN = 2 * CHUNK_BYTES  # below this no file could make progress
 FREE_BUFFERS_KEPT_MAX = 64  # recycled full-size buffers kept warm (first-touch is slow)
 SPILL_WAIT_S = 2.0  # without -o spill, wait this long for persist before spilling
-BACKING_FDS_OPEN_MAX = 256
-STAGING_SLACK_BYTES_MIN = 64 * MiB  # the staging tmpfs holds the budget plus an eighth of it, at least this much  # backing files kept open (the others are reopened by path)
+BACKING_FDS_OPEN_MAX = 256  # backing files kept open (the others are reopened by path)
+STAGING_SLACK_BYTES_MIN = 64 * MiB  # the staging tmpfs holds the budget plus an eighth of it, at least this much
 SPILL_IN_FLIGHT_MAX = 2  # chunk writes to the spill dir at once
 
 # --- persist --------------------------------------------------------------------
