@@ -1,9 +1,9 @@
-"""mount(2) and umount2(2), which Python's os module lacks: for the staging tmpfs and the passthrough probe."""
+"""mount(2) and umount2(2), which Python's os module lacks: the staging tmpfs, the FUSE session, the passthrough probe."""
 
 import ctypes
 import os
 
-MS_NOSUID, MS_NODEV, MS_REMOUNT = 0x2, 0x4, 0x20
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT = 0x1, 0x2, 0x4, 0x20
 _MNT_DETACH = 0x2
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -2,7 +2,9 @@ import os
 import shutil
 
 import pytest
-from mounting import STAGING_DIRS, Mount, wipe_staging
+from mounting import DATAPATH, STAGING_DIRS, Mount, wipe_staging
+
+from aiturbofs.fuse import probe_passthrough
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
@@ -12,6 +14,28 @@ def pytest_configure(config):
     missing = [tool for tool in ("fusermount3",) if shutil.which(tool) is None]
     if missing or not os.path.exists("/dev/fuse"):
         raise pytest.UsageError(f"FUSE is needed for the tests: missing {missing or '/dev/fuse'} (apt-get install fuse3)")
+
+
+# The conformance modules run on both FUSE data paths: the kernel-protocol session (with passthrough
+# where this host has it) and pyfuse3.  The rest (cluster, faults, outages, recovery, backends: the
+# layers below the FUSE edge) run once, on the default data path (AITURBOFS_TEST_DATAPATH, else auto).
+BOTH_DATAPATHS = {"test_posix", "test_clients", "test_reads", "test_sparse", "test_security", "test_races",
+                  "test_durability", "test_fuzz", "test_model", "test_staging"}
+KERNEL_DATAPATH = "passthrough" if os.geteuid() == 0 and probe_passthrough().available else "kernel"
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.module.__name__ in BOTH_DATAPATHS and "datapath" in metafunc.fixturenames:
+        metafunc.parametrize("datapath", [KERNEL_DATAPATH, "pyfuse3"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def datapath(request):
+    """The FUSE data path of the test's mounts (see BOTH_DATAPATHS)."""
+    chosen = getattr(request, "param", None) or os.environ.get("AITURBOFS_TEST_DATAPATH", "auto")
+    DATAPATH[0] = chosen
+    yield chosen
+    DATAPATH[0] = os.environ.get("AITURBOFS_TEST_DATAPATH", "auto")
 
 
 def _staging_tmpfs_mounts() -> set[str]:

@@ -24,12 +24,17 @@ def is_mounted(path: str) -> bool:
         return any(line.split()[4] == path for line in f)
 
 
+# The data path mounts use unless a test asks for one: set per test by conftest's ``datapath`` fixture.
+DATAPATH = [os.environ.get("AITURBOFS_TEST_DATAPATH", "auto")]
+
+
 class Mount:
     def __init__(self, backend: str, mountpoint: str, state_dir: str, options: dict | None = None, env: dict | None = None):
         self.backend = backend
         self.mountpoint = os.path.abspath(mountpoint)
         self.state_dir = state_dir
-        self.options = {"state_dir": state_dir, "import_ttl": "0.5", **(options or {})}
+        # the FUSE data path: the test's own choice, else the session's (the ``datapath`` fixture), else auto
+        self.options = {"state_dir": state_dir, "import_ttl": "0.5", "datapath": DATAPATH[0], **(options or {})}
         self.env = env
         self.proc: subprocess.Popen | None = None
         # the daemon's default: a dir on the DRAM tmpfs named after the state dir

@@ -28,7 +28,8 @@ UNKNOWN_TO_738 = ["struct fuse_backing_map", "struct fuse_init_out.max_stack_dep
                   "struct fuse_init_out.request_timeout", "struct fuse_open_out.backing_id"]
 
 # layouts that are the head of a larger C structure: (C struct, the fields the layout covers)
-HEADS = {"entry_out_head": "entry_out", "attr_out_head": "attr_out", "dirent_head": "dirent"}
+HEADS = {"entry_out_head": "entry_out", "attr_out_head": "attr_out", "dirent_head": "dirent",
+         "setxattr_in_compat": "setxattr_in"}
 
 
 def _c_name(layout: _abi.Layout) -> str:
@@ -137,11 +138,21 @@ def test_the_kernel_takes_our_init_reply_and_a_backing_file():
     assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("aiturbofs-probe-")]
 
 
-def test_status_says_which_data_path_serves_and_whether_passthrough_is_there(mnt):
+@pytest.mark.parametrize("asked", ["auto", "passthrough", "kernel", "pyfuse3"])
+def test_status_says_which_data_path_serves_and_whether_passthrough_is_there(make_mount, asked):
+    available = probe_passthrough().available
+    if asked == "passthrough" and not available:
+        pytest.skip("this host cannot do FUSE passthrough")
+    mnt = make_mount(datapath=asked)
+    want = {"auto": "passthrough" if available else "pyfuse3"}.get(asked, asked)
     st = json.loads(aiturbo("status", mnt.mountpoint, "--json").stdout)
     f = st["fuse"]
-    assert f["datapath"] == "pyfuse3"
-    assert f["passthrough_available"] == probe_passthrough().available and f["passthrough"], f
+    assert f["datapath"] == want
+    assert f["passthrough_available"] == available and f["passthrough"], f
     human = aiturbo("status", mnt.mountpoint).stdout
-    assert "pyfuse3 data path; kernel passthrough " in human, human
-    assert "fuse_datapath=pyfuse3 passthrough=" in mnt.log()
+    assert f"{want} data path; kernel passthrough " in human, human
+    assert f"fuse_datapath={want} passthrough=" in mnt.log()
+    with open(mnt.path("f"), "wb") as fh:  # and it serves
+        fh.write(b"x" * 100)
+    with open(mnt.path("f"), "rb") as fh:
+        assert fh.read() == b"x" * 100

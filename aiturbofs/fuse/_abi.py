@@ -127,6 +127,7 @@ WRITE_IN = _layout("write_in", "fh:u64 offset:u64 size:u32 write_flags:u32 lock_
 WRITE_OUT = _layout("write_out", "size:u32 padding:u32")
 FSYNC_IN = _layout("fsync_in", "fh:u64 fsync_flags:u32 padding:u32")
 SETXATTR_IN = _layout("setxattr_in", "size:u32 flags:u32 setxattr_flags:u32 padding:u32")  # with SETXATTR_EXT
+SETXATTR_IN_COMPAT = _layout("setxattr_in_compat", "size:u32 flags:u32")  # without it (FUSE_COMPAT_SETXATTR_IN_SIZE)
 GETXATTR_IN = _layout("getxattr_in", "size:u32 padding:u32")
 GETXATTR_OUT = _layout("getxattr_out", "size:u32 padding:u32")
 ACCESS_IN = _layout("access_in", "mask:u32 padding:u32")
@@ -146,7 +147,7 @@ ENTRY_OUT_SIZE = ENTRY_OUT_HEAD.size + ATTR.size  # struct fuse_entry_out
 ATTR_OUT_SIZE = ATTR_OUT_HEAD.size + ATTR.size  # struct fuse_attr_out
 STATFS_OUT_SIZE = KSTATFS.size  # struct fuse_statfs_out
 DIRENTPLUS_HEAD_SIZE = ENTRY_OUT_SIZE + DIRENT_HEAD.size  # struct fuse_direntplus, before the name
-COMPAT_SETXATTR_IN_SIZE = 8  # setxattr_in without SETXATTR_EXT
+COMPAT_SETXATTR_IN_SIZE = SETXATTR_IN_COMPAT.size  # setxattr_in without SETXATTR_EXT
 
 
 def dirent_size(namelen: int, *, plus: bool = False) -> int:

@@ -41,7 +41,26 @@ def entry(row: InodeRow) -> pyfuse3.EntryAttributes:
     return e
 
 
+class Pyfuse3Kernel:
+    """What ``Operations`` asks of the session serving it, when that is pyfuse3's.
+
+    ``KernelSession`` has the same two methods: a readdir reply and an
+    attribute invalidation are all the handlers send to the kernel
+    themselves.
+    """
+
+    @staticmethod
+    def readdir_reply(token, name: bytes, attr: pyfuse3.EntryAttributes, next_id: int) -> bool:
+        return pyfuse3.readdir_reply(token, name, attr, next_id)
+
+    @staticmethod
+    def invalidate_inode(ino: int, attr_only: bool = False) -> None:
+        pyfuse3.invalidate_inode(ino, attr_only=attr_only)
+
+
 class Operations(pyfuse3.Operations):
+    """The request handlers of both data paths (pyfuse3's loop, or ``KernelSession``)."""
+
     supports_dot_lookup = True
     enable_writeback_cache = False
     enable_acl = False
@@ -50,6 +69,11 @@ class Operations(pyfuse3.Operations):
         super().__init__()
         self.fs = fs
         self.faults = FaultInjector(debug_faults)
+        self.kernel = Pyfuse3Kernel()  # replaced by the KernelSession that serves these handlers
+
+    def backing_id_of(self, fh: int) -> int:
+        """The passthrough backing id an open of ``fh`` answers with; 0: served through requests."""
+        return 0
 
     @fuse_handler
     async def lookup(self, parent_inode, name, ctx):
@@ -131,7 +155,7 @@ class Operations(pyfuse3.Operations):
             # size within the kernel's attribute timeout; make it ask again.
             # (Attributes only: no page lock is taken, so this is safe here.)
             try:
-                pyfuse3.invalidate_inode(inode, attr_only=True)
+                self.kernel.invalidate_inode(inode, attr_only=True)
             except OSError:
                 pass  # the kernel dropped the inode meanwhile: nothing cached
         return self._file_info(handle, keep_cache)
@@ -184,7 +208,7 @@ class Operations(pyfuse3.Operations):
             if not entries:
                 return
             for name, row, next_id in entries:
-                if not pyfuse3.readdir_reply(token, name, entry(row), next_id):
+                if not self.kernel.readdir_reply(token, name, entry(row), next_id):
                     return
                 self.fs.note_lookup(row)
                 offset = next_id

@@ -60,6 +60,10 @@ OPTIONS = {
     "allow_other": ("flag", "let other users access the mount, the kernel checking modes (default: on when "
                             "mounted by root, as on a shared training node; allow_other=no to keep it private)"),
     "ro": ("flag", "mount read-only"),
+    "datapath": ("choice:auto|passthrough|kernel|pyfuse3", "how bytes reach the backing files: passthrough (the kernel "
+                 "writes and reads them itself, FUSE passthrough, Linux 6.9+ and root), kernel (this daemon speaks the "
+                 "FUSE protocol and copies every byte), pyfuse3 (libfuse, the portable path), or auto (default: "
+                 "passthrough where the kernel and privileges allow it, else pyfuse3)"),
     "debug": ("flag", "verbose logging"),
     "log": ("path", "log file when daemonized (default <state_dir>/aiturbo.log)"),
     "debug_faults": ("flag", "allow `aiturbo debug-fault` to inject handler errors (tests only)"),
@@ -108,6 +112,7 @@ class NodeConfig:
     backend_options: dict = field(default_factory=dict)
     allow_other: bool = False
     read_only: bool = False
+    datapath: str = "auto"
     debug: bool = False
     log: str | None = None
     debug_faults: bool = False
@@ -222,6 +227,7 @@ def build_config(backend: str, mountpoint: str, options: dict, *, foreground: bo
     # default_permissions is always on); anyone else needs user_allow_other.
     cfg.allow_other = options.get("allow_other", os.geteuid() == 0)
     cfg.read_only = options.get("ro", False)
+    cfg.datapath = options.get("datapath", "auto")
     cfg.debug = options.get("debug", False)
     cfg.log = options.get("log")
     cfg.debug_faults = options.get("debug_faults", False)

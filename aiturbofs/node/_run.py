@@ -17,7 +17,6 @@ import signal
 import time
 from functools import partial
 
-import pyfuse3
 import trio
 
 from .. import backend as backend_mod
@@ -37,7 +36,7 @@ from .._nursery import open_nursery
 from ..cluster import ClusterNode, SingleNode
 from ..controller import EmbeddedController
 from ..fabric import load_secret, open_transport, parse_address
-from ..fuse import Operations, probe_passthrough
+from ..fuse import Operations, datapath, probe_passthrough
 from ..staging import BackingArea, SpillStore, StagingPool
 from ..vfs import Filesystem, VfsLocalSide, VfsOptions
 from . import _control, _metrics
@@ -99,15 +98,8 @@ async def _set_read_ahead_after_init(mountpoint: str) -> None:
     _set_read_ahead(mountpoint)
 
 
-def _fuse_options(cfg: NodeConfig) -> set[str]:
-    opts = set(pyfuse3.default_options)  # default_permissions: the kernel checks modes
-    opts.add(f"fsname=aiturbo:{cfg.backend}"[:200].replace(",", "_"))
-    opts.add("subtype=aiturbo")
-    if cfg.allow_other:
-        opts.add("allow_other")
-    if cfg.read_only:
-        opts.add("ro")
-    return opts
+def _fsname(cfg: NodeConfig) -> str:
+    return f"aiturbo:{cfg.backend}"[:200].replace(",", "_")
 
 
 def _tune_malloc() -> None:
@@ -220,7 +212,10 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
     fs = Filesystem(meta, backend, pool, vopts, staging=staging, cluster=port)
     ops = Operations(fs, debug_faults=cfg.debug_faults)
     passthrough = await trio.to_thread.run_sync(probe_passthrough)
-    log.info("fuse_datapath=pyfuse3 passthrough=%s (%s)", "available" if passthrough.available else "unavailable",
+    name, handing = datapath.choose(cfg.datapath, passthrough)
+    fuse = datapath.open_session(name, ops, cfg.mountpoint, fsname=_fsname(cfg), allow_other=cfg.allow_other,
+                                 read_only=cfg.read_only, passthrough=handing)
+    log.info("fuse_datapath=%s passthrough=%s (%s)", fuse.name, "available" if passthrough.available else "unavailable",
              passthrough.reason)
     started = time.time()
     exit_code = 0
@@ -235,14 +230,14 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
         metrics_url = await _start_metrics(nursery, cfg, fs, pool, cluster, controller)
         if cluster is not None:
             cluster.metrics_url = metrics_url
-        dispatch = _Dispatcher(cfg, fs, pool, controller, ops, started, cluster, metrics_url, passthrough)
+        dispatch = _Dispatcher(cfg, fs, pool, controller, ops, started, cluster, metrics_url, passthrough, fuse)
         await nursery.start(_control.serve, control_socket(cfg.mountpoint), dispatch)
         try:
-            pyfuse3.init(ops, cfg.mountpoint, _fuse_options(cfg))
-        except RuntimeError as exc:
-            raise ConfigError(f"FUSE mount of {cfg.mountpoint} failed: {exc}") from None
+            fuse.mount()
+        except OSError as exc:
+            raise ConfigError(f"FUSE mount of {cfg.mountpoint} failed: {exc.strerror or exc}") from None
         nursery.start_soon(_set_read_ahead_after_init, cfg.mountpoint)
-        session = _Session(nursery)
+        session = _Session(nursery, fuse)
         nursery.start_soon(_watch_signals, session)
         nursery.start_soon(_watch_unmount, cfg.mountpoint, session)
         log.info("mounted %s at %s (pool %d MiB, staging %s, spill %s, state %s, metrics %s)", cfg.backend, cfg.mountpoint,
@@ -250,7 +245,7 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
         ready.send("OK")
         try:
             with session.scope:
-                await pyfuse3.main(max_tasks=FUSE_TASKS_MAX)
+                await fuse.serve(FUSE_TASKS_MAX)
         except* ConnectionAbortedError as group:
             # The kernel aborted the connection (an admin wrote the
             # connection's sysfs "abort" file): the mount is gone, the staged
@@ -258,8 +253,8 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
             log.error("the kernel aborted the FUSE connection of %s (%s); draining what was staged",
                       cfg.mountpoint, group.exceptions[0])
         finally:
-            session.closed = True  # pyfuse3.terminate() on a closed session dereferences NULL
-            pyfuse3.close(unmount=True)
+            session.closed = True
+            fuse.close(unmount=True)
         queued = fs.persister.queue_length()
         log.info("unmounted %s; draining %d file(s) to the backend (timeout %.0f s)", cfg.mountpoint, queued, cfg.drain_timeout_s)
         left = await fs.persister.drain(cfg.drain_timeout_s)
@@ -302,7 +297,7 @@ async def _describe(meta, ino: int) -> str:
 class _Session:
     """Ends the FUSE session: gracefully, then by cancelling the requests still running.
 
-    ``pyfuse3.terminate`` stops taking requests but ``pyfuse3.main`` returns
+    ``terminate`` stops taking requests but ``serve`` returns
     only when every running handler has: a writer waiting for pool memory
     (a full backend, a long outage) kept SIGTERM and unmount from ever
     reaching the drain.  After SESSION_END_GRACE_S such requests are
@@ -310,9 +305,10 @@ class _Session:
     closes (the data they were writing was never acknowledged).
     """
 
-    def __init__(self, nursery: trio.Nursery):
+    def __init__(self, nursery: trio.Nursery, fuse):
         self.scope = trio.CancelScope()
         self._nursery = nursery
+        self._fuse = fuse
         self._ending = False
         self.closed = False
 
@@ -320,7 +316,7 @@ class _Session:
         if self._ending or self.closed:
             return
         self._ending = True
-        pyfuse3.terminate()
+        self._fuse.terminate()
         self._nursery.start_soon(self._cancel_after_grace)
 
     async def _cancel_after_grace(self) -> None:
@@ -363,7 +359,7 @@ async def _watch_unmount(mountpoint: str, session: _Session) -> None:
     # abspath, not realpath: a stat of our own mount point from the trio
     # thread would wait for the answer only this thread can give.
     target = os.path.abspath(mountpoint)
-    while True:  # (pyfuse3.init has mounted it: not in the table means unmounted)
+    while True:  # (the session has mounted it: not in the table means unmounted)
         await trio.sleep(UNMOUNT_POLL_S)
         if not _mounted(target):
             log.info("%s is no longer mounted (lazy unmount?): ending the session and draining", mountpoint)
@@ -374,10 +370,10 @@ async def _watch_unmount(mountpoint: str, session: _Session) -> None:
 class _Dispatcher:
     """Answers control-socket requests from the running daemon's state."""
 
-    def __init__(self, cfg, fs, pool, controller, ops, started, cluster, metrics_url, passthrough):
+    def __init__(self, cfg, fs, pool, controller, ops, started, cluster, metrics_url, passthrough, fuse):
         self.cfg, self.fs, self.pool, self.controller, self.ops, self.started = cfg, fs, pool, controller, ops, started
         self.cluster, self.metrics_url = cluster, metrics_url
-        self.passthrough = passthrough
+        self.passthrough, self.fuse = passthrough, fuse
 
     async def __call__(self, request: dict) -> dict:
         cmd = request.get("cmd")
@@ -403,7 +399,7 @@ class _Dispatcher:
             "pool": vars(self.pool.stats()),
             "staging": {"dir": self.fs.staging.directory, "allocated_bytes": self.fs.staging.bytes_allocated()},
             # the data path serving requests; whether the kernel would take backing files (FUSE passthrough)
-            "fuse": {"datapath": "pyfuse3", "passthrough_available": self.passthrough.available,
+            "fuse": {"datapath": self.fuse.name, "passthrough_available": self.passthrough.available,
                      "passthrough": self.passthrough.reason},
             "persist": {
                 "queue": p.queue_length(), "queued": queued, "bytes_uploaded": p.stats.bytes_uploaded,
