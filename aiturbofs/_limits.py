@@ -42,6 +42,8 @@ XATTRS_PER_INODE_MAX = 1024
 READ_AHEAD_KB = 1024  # set on the mount's bdi: doubles sequential reads
 SESSION_END_GRACE_S = 5.0  # at unmount/SIGTERM, running FUSE requests get this long before they are cancelled
 UNMOUNT_POLL_S = 1.0  # how often the daemon looks for its mount in the mount table (lazy unmounts)
+PASSTHROUGH_FREE_FRACTION_MIN = 0.25  # a new file goes to the kernel (passthrough) only while this much of the pool is free
+KERNEL_CHARGE_POLL_S = 0.1  # how often the bytes the kernel wrote into open files are counted against the pool
 ATTR_TIMEOUT_S = 1.0  # kernel attribute / entry cache lifetime
 FILE_SIZE_BYTES_MAX = 16 * TiB  # like ext4 with 4 KiB blocks
 

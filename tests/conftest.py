@@ -29,6 +29,15 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("datapath", [KERNEL_DATAPATH, "pyfuse3"], indirect=True)
 
 
+@pytest.fixture
+def daemon_data_path(datapath):
+    """For a test of what the daemon does with each READ or WRITE: with passthrough they never reach it."""
+    if datapath == "passthrough":
+        pytest.skip("checks the READ/WRITE requests the daemon serves; with passthrough the kernel serves them "
+                    "itself (tests/test_passthrough.py covers that path)")
+    return datapath
+
+
 @pytest.fixture(autouse=True)
 def datapath(request):
     """The FUSE data path of the test's mounts (see BOTH_DATAPATHS)."""

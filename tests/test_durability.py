@@ -461,7 +461,7 @@ class PoolWatcher:
 
 
 @pytest.mark.parametrize("spill", [False, True], ids=["no-spill", "spill"])
-def test_backpressure_loses_nothing(spill, s3m, tmp_path):
+def test_backpressure_loses_nothing(spill, s3m, tmp_path, daemon_data_path):
     budget = 32 * MiB
     options = {"dram": "32M"}
     if spill:
@@ -608,7 +608,7 @@ def test_file_of_more_chunks_than_parts_goes_in_wide_parts(s3m):
     assert_no_bug(m.log())
 
 
-def test_size_beyond_what_the_backend_holds_is_efbig(s3m):
+def test_size_beyond_what_the_backend_holds_is_efbig(s3m, daemon_data_path):
     """D4: a file the backend cannot hold is refused at write time (EFBIG), not
     accepted and broken at persist; up to the limit everything is accepted."""
     m = s3m.mount(s3_parts_max="1")  # one part of at most 5 GiB: objects of 5 GiB
@@ -780,8 +780,9 @@ def test_state_xattr_is_read_only(mnt):
     assert caught.value.errno == errno.ENODATA
 
 
-def test_handler_exception_is_eio_and_mount_survives(make_mount):
-    m = make_mount(debug_faults=True)
+def test_handler_exception_is_eio_and_mount_survives(make_mount, datapath):
+    # a READ must reach the daemon: the kernel session without passthrough stands in for it
+    m = make_mount(debug_faults=True, datapath="kernel" if datapath == "passthrough" else datapath)
     data = os.urandom(3 * MiB)
     put(m.path("f.bin"), data)
     r = aiturbo("debug-fault", m.mountpoint, "read")

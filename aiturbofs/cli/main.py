@@ -140,6 +140,9 @@ def _print_status(s: dict, clusters_shown: set) -> None:
     if f:
         print(f"  fuse     {f['datapath']} data path; kernel passthrough "
               f"{'available' if f['passthrough_available'] else 'unavailable'}: {f['passthrough']}")
+        if "requests" in f:
+            print(f"           {f['requests']} requests ({f['read']} READ, {f['write']} WRITE); "
+                  f"{f['passthrough_files']} file(s) handed to the kernel")
     print(f"  persist  queue {p['queue']}, durable {p['files_durable']}, broken {p['files_broken']}, "
           f"uploaded {_human(p['bytes_uploaded'])}, retries {p['retries']}"
           + (f", copied server-side {_human(p['bytes_copied'])}" if p.get("bytes_copied") else ""))

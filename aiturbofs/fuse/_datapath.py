@@ -47,6 +47,10 @@ class Pyfuse3Session:
             self.options.add("ro")
         self._closed = True
 
+    @staticmethod
+    def counts() -> dict:
+        return {}  # libfuse does not count its requests
+
     def mount(self) -> None:
         try:
             pyfuse3.init(self.ops, self.mountpoint, self.options)

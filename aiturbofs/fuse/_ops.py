@@ -5,6 +5,7 @@ Thin by design: argument conversion, ``EntryAttributes`` construction and the
 """
 
 import errno
+import logging
 import os
 import stat
 
@@ -15,6 +16,8 @@ from .._limits import ATTR_TIMEOUT_S, NAME_BYTES_MAX, ST_BLKSIZE_BYTES
 from ..meta import InodeRow
 from ..vfs import Filesystem
 from ._errors import FaultInjector, fuse_handler
+
+log = logging.getLogger("aiturbofs.fuse")
 
 _SECURITY_CAPABILITY = b"security.capability"
 _BLOCK_BYTES = 4096
@@ -57,6 +60,16 @@ class Pyfuse3Kernel:
     def invalidate_inode(ino: int, attr_only: bool = False) -> None:
         pyfuse3.invalidate_inode(ino, attr_only=attr_only)
 
+    passthrough = False  # libfuse 3.14 cannot hand the kernel a backing file
+
+    @staticmethod
+    def backing_open(fd: int) -> int:
+        raise OSError(errno.EOPNOTSUPP, "pyfuse3 has no FUSE passthrough")
+
+    @staticmethod
+    def backing_close(backing_id: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, "pyfuse3 has no FUSE passthrough")
+
 
 class Operations(pyfuse3.Operations):
     """The request handlers of both data paths (pyfuse3's loop, or ``KernelSession``)."""
@@ -70,10 +83,50 @@ class Operations(pyfuse3.Operations):
         self.fs = fs
         self.faults = FaultInjector(debug_faults)
         self.kernel = Pyfuse3Kernel()  # replaced by the KernelSession that serves these handlers
+        # FUSE passthrough (a KernelSession that negotiated it): one backing id per inode the
+        # kernel serves from its backing file, [id, opens]; which handles use it.
+        self._backing: dict[int, list[int]] = {}
+        self._backing_fh: dict[int, int] = {}
 
     def backing_id_of(self, fh: int) -> int:
         """The passthrough backing id an open of ``fh`` answers with; 0: served through requests."""
-        return 0
+        ino = self._backing_fh.get(fh)
+        return self._backing[ino][0] if ino is not None else 0
+
+    async def _passthrough(self, handle) -> None:
+        """Let the kernel serve ``handle`` from the file's backing file, where the VFS allows it.
+
+        Every passthrough open of one inode must name the same backing file
+        registration (the kernel refuses another): registered at the first,
+        closed after the last release.
+        """
+        if not self.kernel.passthrough:
+            return
+        fd = await self.fs.open_kernel(handle)
+        if fd is None:
+            return
+        ino = handle.inode.ino
+        known = self._backing.get(ino)
+        if known is None:
+            try:
+                backing_id = self.kernel.backing_open(fd)
+            except OSError as exc:
+                log.warning("passthrough of inode %d refused by the kernel (%s): served through requests", ino, exc)
+                await self.fs.close_kernel(handle)
+                return
+            known = self._backing[ino] = [backing_id, 0]
+        known[1] += 1
+        self._backing_fh[handle.fh] = ino
+
+    def _end_passthrough(self, fh: int) -> None:
+        ino = self._backing_fh.pop(fh, None)
+        if ino is None:
+            return
+        known = self._backing[ino]
+        known[1] -= 1
+        if not known[1]:
+            del self._backing[ino]
+            self.kernel.backing_close(known[0])
 
     @fuse_handler
     async def lookup(self, parent_inode, name, ctx):
@@ -85,9 +138,7 @@ class Operations(pyfuse3.Operations):
             try:
                 await self.fs.forget(ino, count)
             except Exception:  # noqa: BLE001 - logged, never propagated
-                import logging
-
-                logging.getLogger("aiturbofs.fuse").exception("BUG in forget of inode %d", ino)
+                log.exception("BUG in forget of inode %d", ino)
 
     @fuse_handler
     async def getattr(self, inode, ctx):
@@ -150,6 +201,7 @@ class Operations(pyfuse3.Operations):
     @fuse_handler
     async def open(self, inode, flags, ctx):
         handle, keep_cache = await self.fs.open(inode, flags)
+        await self._passthrough(handle)
         if not keep_cache and self.fs.cluster.shared:
             # Close-to-open across nodes: another node may have changed the
             # size within the kernel's attribute timeout; make it ask again.
@@ -187,7 +239,10 @@ class Operations(pyfuse3.Operations):
 
     @fuse_handler
     async def release(self, fh):
-        await self.fs.release(fh)
+        try:
+            await self.fs.release(fh)
+        finally:
+            self._end_passthrough(fh)
 
     @fuse_handler
     async def fsync(self, fh, datasync):
@@ -238,6 +293,7 @@ class Operations(pyfuse3.Operations):
     @fuse_handler
     async def create(self, parent_inode, name, mode, flags, ctx):
         handle, row = await self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+        await self._passthrough(handle)
         return self._file_info(handle, False), entry(row)
 
     @fuse_handler

@@ -87,13 +87,22 @@ def _negotiate(dev: int) -> Passthrough:
         return Passthrough(False, f"the kernel (FUSE {protocol}) does not offer passthrough in INIT "
                                   "(CONFIG_FUSE_PASSTHROUGH off?)", protocol)
     with tempfile.TemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as backing:
-        arg = bytearray(_abi.BACKING_MAP.pack(fd=backing.fileno()))
         try:
-            backing_id = fcntl.ioctl(dev, _abi.DEV_IOC_BACKING_OPEN, arg, True)
+            backing_id = backing_open(dev, backing.fileno())
         except OSError as exc:
             # EPERM for both: no CAP_SYS_ADMIN (a container), or the kernel did not enable passthrough
             why = ("refused (EPERM): it needs CAP_SYS_ADMIN in the initial user namespace"
                    if exc.errno == errno.EPERM else exc.strerror)
             return Passthrough(False, f"FUSE_DEV_IOC_BACKING_OPEN failed: {why}", protocol)
-        fcntl.ioctl(dev, _abi.DEV_IOC_BACKING_CLOSE, bytearray(backing_id.to_bytes(4, "little")), True)
+        backing_close(dev, backing_id)
     return Passthrough(True, f"negotiated with FUSE {protocol}: a backing file registered as id {backing_id}", protocol)
+
+
+def backing_open(dev: int, fd: int) -> int:
+    """Register ``fd`` as a backing file on the FUSE connection ``dev``; the kernel's id for it (> 0)."""
+    return fcntl.ioctl(dev, _abi.DEV_IOC_BACKING_OPEN, bytearray(_abi.BACKING_MAP.pack(fd=fd)), True)
+
+
+def backing_close(dev: int, backing_id: int) -> None:
+    """Drop a registration; files the kernel opened with it keep their backing file."""
+    fcntl.ioctl(dev, _abi.DEV_IOC_BACKING_CLOSE, bytearray(backing_id.to_bytes(4, "little")), True)

@@ -35,6 +35,7 @@ import trio
 
 from .._syscalls import MS_NODEV, MS_NOSUID, MS_RDONLY, mount, unmount_lazy
 from . import _abi
+from ._passthrough import backing_close, backing_open
 
 log = logging.getLogger("aiturbofs.fuse")
 
@@ -149,7 +150,8 @@ class KernelSession:
         self._buffers: list[bytearray] = []
         self._running: dict[int, trio.CancelScope] = {}  # unique -> scope, interruptible requests
         self._interrupted: set[int] = set()
-        self.requests = 0  # requests served (status, tests)
+        self.passthrough_files = 0  # backing files registered (one per inode while the kernel serves it)
+        self.served = [0] * 64  # requests served, by opcode (status: how many READ/WRITE still reach the daemon)
         self._handlers = {
             _abi.LOOKUP: self._lookup, _abi.GETATTR: self._getattr, _abi.SETATTR: self._setattr,
             _abi.READLINK: self._readlink, _abi.SYMLINK: self._symlink, _abi.MKNOD: self._mknod,
@@ -267,9 +269,10 @@ class KernelSession:
             head = _abi.IN_HEADER.unpack(buf)
             if head.len != n:
                 raise _Malformed(f"header says {head.len} bytes, read {n}")
-            self.requests += 1
-            body = memoryview(buf)[_abi.IN_HEADER.size:n]
             op = head.opcode
+            if op < len(self.served):
+                self.served[op] += 1
+            body = memoryview(buf)[_abi.IN_HEADER.size:n]
             if op == _abi.FORGET:
                 await self.ops.forget([(head.nodeid, _abi.FORGET_IN.unpack(body).nlookup)])
                 return
@@ -329,6 +332,30 @@ class KernelSession:
         if len(self._interrupted) >= INTERRUPTS_KEPT:
             self._interrupted.clear()
         self._interrupted.add(unique)
+
+    def counts(self) -> dict:
+        """Requests served so far: all, and the data ones (zero for files the kernel serves itself)."""
+        return {"requests": sum(self.served), "read": self.served[_abi.READ], "write": self.served[_abi.WRITE],
+                "passthrough_files": self.passthrough_files}
+
+    # ------------------------------------------------------------ passthrough
+    @property
+    def passthrough(self) -> bool:
+        """Whether opens may hand the kernel a backing file (negotiated in INIT)."""
+        return self.negotiated is not None and self.negotiated.passthrough
+
+    def backing_open(self, fd: int) -> int:
+        """Register ``fd`` with the kernel as a backing file; its id (FUSE_DEV_IOC_BACKING_OPEN)."""
+        backing_id = backing_open(self.fd, fd)
+        self.passthrough_files += 1
+        return backing_id
+
+    def backing_close(self, backing_id: int) -> None:
+        try:
+            backing_close(self.fd, backing_id)
+        except OSError as exc:
+            if self.fd >= 0:
+                log.warning("could not close passthrough backing id %d: %s", backing_id, exc)
 
     # ------------------------------------------------------------ replies and notifications
     def _send(self, parts: list) -> None:
@@ -510,7 +537,7 @@ class KernelSession:
         r = _abi.READ_IN.unpack(body)
         token = DirBuffer(r.size)
         await self.ops.readdir(r.fh, r.offset, token)
-        return token.parts
+        return b"".join(token.parts)  # one buffer: a reply may hold more records than writev takes iovecs
 
     async def _releasedir(self, head, body):
         await self.ops.releasedir(_abi.RELEASE_IN.unpack(body).fh)
@@ -527,7 +554,21 @@ class KernelSession:
         nul = raw.find(b"\0")
         if nul < 0 or len(raw) < nul + 1 + s.size:
             raise _Malformed("SETXATTR name or value cut short")
-        await self.ops.setxattr(head.nodeid, raw[:nul], raw[nul + 1 : nul + 1 + s.size], self._ctx(head))
+        name, ctx = raw[:nul], self._ctx(head)
+        if s.flags & ~(os.XATTR_CREATE | os.XATTR_REPLACE):
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        # XATTR_CREATE / XATTR_REPLACE as pyfuse3 does them: ask first
+        if s.flags & os.XATTR_CREATE:
+            try:
+                await self.ops.getxattr(head.nodeid, name, ctx)
+            except pyfuse3.FUSEError as exc:
+                if exc.errno != pyfuse3.ENOATTR:
+                    raise
+            else:
+                raise pyfuse3.FUSEError(errno.EEXIST)
+        elif s.flags & os.XATTR_REPLACE:
+            await self.ops.getxattr(head.nodeid, name, ctx)
+        await self.ops.setxattr(head.nodeid, name, raw[nul + 1 : nul + 1 + s.size], ctx)
         return b""
 
     @staticmethod

@@ -400,7 +400,7 @@ class _Dispatcher:
             "staging": {"dir": self.fs.staging.directory, "allocated_bytes": self.fs.staging.bytes_allocated()},
             # the data path serving requests; whether the kernel would take backing files (FUSE passthrough)
             "fuse": {"datapath": self.fuse.name, "passthrough_available": self.passthrough.available,
-                     "passthrough": self.passthrough.reason},
+                     "passthrough": self.passthrough.reason, **self.fuse.counts()},
             "persist": {
                 "queue": p.queue_length(), "queued": queued, "bytes_uploaded": p.stats.bytes_uploaded,
                 "bytes_fetched": self.fs.fetcher.bytes_fetched, "bytes_copied": p.stats.bytes_copied,

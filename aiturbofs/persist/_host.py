@@ -32,6 +32,11 @@ class PersistHost(Protocol):
     def adopt_recovered(self, row, pinned: set[int], backing) -> None:
         """After a restart: hold the recovered pins of a staged file."""
 
+    def kernel_writing(self, ino: int) -> bool:
+        """Whether the kernel may be writing the file right now (FUSE passthrough): a version of it that
+        lost a chunk to such a write is replaced by the commit its next flush makes."""
+        ...
+
     def is_cached(self, ino: int) -> bool:
         """Does the kernel (or an open handle) still know ``ino``?  Its row must then stay."""
 

@@ -332,7 +332,7 @@ class Persister:
                 await trio.sleep(sleep_s)
                 backoff = min(backoff * 2, PERSIST_BACKOFF_MAX_S)
             except (BackendError, IntegrityError) as exc:
-                await self._mark_broken(ino, str(exc))
+                await self._mark_broken(ino, exc)
                 return
 
     def _note_full(self, exc: TransientBackendError) -> None:
@@ -370,13 +370,15 @@ class Persister:
         """The error ``aiturbo status`` shows and its ``broken path= reason=`` log line."""
         self.host.record_error(f"{name} is broken: {why}", event=f"broken path={name} reason={why!r}")
 
-    async def _mark_broken(self, ino: int, why: str) -> None:
+    async def _mark_broken(self, ino: int, why: str | Exception) -> None:
         """Mark the version whose upload failed broken; a newer one is persisted instead.
 
         A commit may land between the failure and this (every await here is
         a chance): marking the inode's current version would break and
         unpin a good version that was never tried.
         """
+        lost_to_kernel = isinstance(why, IntegrityError)  # (a chunk missing: written over, see below)
+        why = str(why)
         failed = self.reconciler.trying.get(ino)
         try:
             row = await self.meta.get_inode(ino)
@@ -385,6 +387,10 @@ class Persister:
         name = await self.name_of(ino)
         if failed is None:
             failed = row.version
+        if row.version == failed and lost_to_kernel and self.host.kernel_writing(ino):
+            log.info("persist of %s version %d: %s: the kernel is writing it (passthrough); its next flush "
+                     "commits what replaces it", name, failed, why)
+            return
         if row.version != failed or not await self.meta.set_state(ino, STATE_BROKEN, if_version=failed):
             log.info("persist of %s version %d failed (%s); version %d was committed since: persisting that",
                      name, failed, why, (await self.meta.get_inode(ino)).version)

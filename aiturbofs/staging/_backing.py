@@ -81,18 +81,38 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
         os.pwrite(fd, bytes(length), offset)
 
 
+def is_hole(fd: int, offset: int, length: int) -> bool:
+    """Whether ``[offset, offset + length)`` of ``fd`` holds no data at all (SEEK_DATA: no read, no allocation)."""
+    try:
+        return os.lseek(fd, offset, os.SEEK_DATA) >= offset + length
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # no data after offset
+            return True
+        raise
+
+
 def content_key_of(path: str, offset: int, length: int) -> bytes:
     """``chunk.content_key`` of ``length`` bytes of ``path`` from ``offset`` (for a worker thread).
 
-    Hashed from a read-only map of the file: no copy.  It opens the file
-    itself (the trio thread may close its descriptor meanwhile); a file
-    shorter than the range is hashed as if padded with zeros.
+    Hashed from a read-only map of the file (no copy) where the range is all
+    data; a range with holes is read with ``pread`` instead: a tmpfs fills
+    the holes a map reads with new pages (on a small tmpfs: SIGBUS).  It
+    opens the file itself (the trio thread may close its descriptor
+    meanwhile); a file shorter than the range is hashed as if padded with
+    zeros.
     """
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         have = max(0, min(length, os.fstat(fd).st_size - offset))
-        if not have:
-            return chunk.content_key(bytes(length))
+        if not have or is_hole(fd, offset, have):
+            return chunk.HOLE  # all zeros
+        try:
+            whole = os.lseek(fd, offset, os.SEEK_HOLE) >= offset + have
+        except OSError:
+            whole = False
+        if not whole:
+            data = os.pread(fd, have, offset)
+            return chunk.content_key(data + bytes(length - len(data)))
         with mmap.mmap(fd, have, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=offset) as m:
             view = memoryview(m)
             try:
@@ -192,7 +212,7 @@ def _parse_name(name: str) -> int | bytes | None:
 class BackingFile:
     """One file's bytes, chunk by chunk, or one replica chunk at range 0 (see module doc)."""
 
-    __slots__ = ("area", "ino", "name", "path", "_ranges", "users")
+    __slots__ = ("area", "ino", "name", "path", "_ranges", "users", "kernel_opens", "kernel_writers")
 
     def __init__(self, area: "BackingArea", name: str, ino: int | None):
         self.area = area
@@ -201,6 +221,11 @@ class BackingFile:
         self.path = os.path.join(area.directory, name)
         self._ranges: dict[int, Range] = {}
         self.users = 0  # FileContents holding it (the pool's entries are counted by their ranges)
+        # Opens the kernel serves from this file itself (FUSE passthrough), and those of them that
+        # may write: while there are any, its bytes are the file's and no one punches them; while
+        # any may write, the pool trusts no chunk it has here without hashing it again.
+        self.kernel_opens = 0
+        self.kernel_writers = 0
 
     def range(self, index: int) -> Range:
         r = self._ranges.get(index)

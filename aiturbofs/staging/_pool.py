@@ -34,6 +34,7 @@ from typing import Literal, overload
 
 import trio
 
+from .. import chunk
 from .._errors import NoSpace
 from .._limits import CHUNK_BYTES, FREE_BUFFERS_KEPT_MAX, SMALL_BUFFER_BYTES, SPILL_WAIT_S
 from ._backing import Range
@@ -52,7 +53,7 @@ def room(want: int, index: int) -> int:
 class Entry:
     """One sealed chunk, in memory as ``buf[:length]`` or as a backing file's range ``rng``."""
 
-    __slots__ = ("key", "buf", "rng", "length", "charge", "pins", "leases", "spilled")
+    __slots__ = ("key", "buf", "rng", "length", "charge", "pins", "leases", "spilled", "volatile")
 
     def __init__(self, key: bytes, buf: bytearray | None, length: int):
         self.key = key
@@ -63,6 +64,9 @@ class Entry:
         self.pins = 0  # not-yet-durable references: the bytes must not be lost
         self.leases = 0  # readers working outside the trio thread: do not recycle
         self.spilled = False  # a verified copy is in the spill store
+        # In a range the kernel may still write (its file is open in passthrough mode for writing):
+        # read only after hashing it again, never evicted or spilled, until ``steady``.
+        self.volatile = False
 
     @property
     def resident(self) -> bool:
@@ -235,6 +239,8 @@ class StagingPool:
         (dedup) the buffer is recycled and the existing entry pinned.
         """
         e = self._entries.get(key)
+        if e is not None and e.volatile:
+            self._leave_volatile(e)
         if e is None:
             e = self._entries[key] = Entry(key, buf, length)
         elif e.buf is None:
@@ -256,18 +262,79 @@ class StagingPool:
         assert rng.entry is None, "a range holds one entry"
         rng.writing = False
         e = self._entries.get(key)
+        if e is not None and e.volatile:
+            self._leave_volatile(e)  # a copy the kernel may change: this range is the chunk now
         if e is not None and e.resident:
-            self._punch(rng)
+            if not rng.file.kernel_opens:  # else the bytes stay: the kernel serves them from there
+                self._punch(rng)
             self.unreserve(charge)
         else:
             rng.ensure_length(length)  # leases map it
             if e is None:
                 e = self._entries[key] = Entry(key, None, length)
             e.rng, e.length, e.charge = rng, length, charge
+            e.volatile = rng.file.kernel_writers > 0
             rng.entry = e
         if pin:
             self.pin(key)
         self._place(e)
+
+    # ------------------------------------------------ ranges the kernel writes (FUSE passthrough)
+    def charge_present(self, charge: int) -> None:
+        """Count bytes that are there already (written by the kernel, or left by a previous run), even past
+        the budget; clean entries make room at once and the spiller is woken for the rest."""
+        self.used_bytes += charge
+        while self.used_bytes > self.budget_bytes and self._evict_one():
+            pass
+        if self.used_bytes > self.budget_bytes:
+            self._spill_wanted.set()
+
+    def free_fraction(self) -> float:
+        """The part of the budget neither used nor taken by pinned chunks (clean ones can be evicted)."""
+        clean = sum(e.charge for e in self._evictable.values())
+        return max(0.0, self.budget_bytes - self.used_bytes + clean) / self.budget_bytes
+
+    def disown_range(self, rng: Range) -> int:
+        """The kernel changed ``rng``: its entry no longer has its bytes there.  Returns the charge it held
+        (now the caller's).  The bytes stay (no punch); the entry keeps any other copy (spill)."""
+        e = rng.entry
+        if e is None:
+            return 0
+        charge, e.charge = e.charge, 0
+        e.rng = rng.entry = None
+        e.volatile = False
+        self._place(e)
+        return charge
+
+    def _leave_volatile(self, e: Entry) -> None:
+        """Another copy of ``e``'s chunk arrives: it replaces the one in a range the kernel may change."""
+        assert e.rng is not None
+        self.unreserve(self.disown_range(e.rng))  # that range's bytes are its file's, uncounted, until it closes
+
+    def trusted(self, e: Entry) -> bool:
+        """Whether ``e``'s bytes may be read: a volatile entry is hashed again first (and let go if changed)."""
+        if not e.volatile or e.rng is None:
+            return True
+        if chunk.content_key(e.rng.pread(0, e.length)) == e.key:
+            return True
+        log.info("chunk %s changed in %s by a passthrough writer: no longer served from there",
+                 e.key.hex()[:16], e.rng.file.path)
+        self.unreserve(self.disown_range(e.rng))
+        return False
+
+    def unsteady(self, rng: Range) -> None:
+        """``rng``'s file is open for the kernel to write: its entry there is volatile until ``steady``."""
+        e = rng.entry
+        if e is not None and not e.volatile:
+            e.volatile = True
+            self._place(e)
+
+    def steady(self, rng: Range) -> None:
+        """``rng``'s file has no passthrough writer any more, and its entry there was checked: trust it again."""
+        e = rng.entry
+        if e is not None and e.volatile:
+            e.volatile = False
+            self._place(e)
 
     def recover_replica(self, key: bytes, rng: Range, length: int) -> None:
         """After a restart: a replica's backing file (checked to hold ``key``) is the chunk again, pinned once."""
@@ -301,6 +368,8 @@ class StagingPool:
             e = rng.entry
             if e is None:
                 return 0, None, 0
+            if not self.trusted(e):
+                continue  # the kernel changed it: nothing of it to keep
             if e.leases:
                 await self._unleased(e)  # a reader maps the range: it must not change under it
                 continue
@@ -317,6 +386,7 @@ class StagingPool:
                 e.buf = buf
             charge, e.charge = e.charge, (len(e.buf) if e.buf is not None else 0)
             e.rng = rng.entry = None
+            e.volatile = False  # (checked above) a buffer, or nowhere
             self._place(e)
             return charge, e.key, e.length
 
@@ -411,6 +481,8 @@ class StagingPool:
             if e.pins == 0 and not e.spilled:
                 del self._entries[e.key]
             return
+        if e.volatile:
+            return  # until steady: the kernel may still change it
         if e.pins == 0 or e.spilled:
             self._evictable[e.key] = e
         else:
@@ -419,7 +491,8 @@ class StagingPool:
 
     def _evict_one(self) -> bool:
         for _key, e in self._evictable.items():
-            if e.leases == 0:
+            # (a range the kernel serves from is its open file's bytes: never punched under it)
+            if e.leases == 0 and not (e.rng is not None and e.rng.file.kernel_opens):
                 self._drop_memory(e)
                 return True
         return False
@@ -492,9 +565,14 @@ class StagingPool:
         while True:
             await self._spill_wanted.wait()
             self._spill_wanted = trio.Event()
-            while self.eager_spill and self._unspilled:
-                e = next(iter(self._unspilled.values()))
-                if not await self._spill_entry(e):
+            # eagerly with a spill dir; otherwise while over the budget (bytes the kernel wrote
+            # through passthrough are counted after they are there: charge_present)
+            while self._unspilled and (self.eager_spill or self.used_bytes > self.budget_bytes):
+                if self.eager_spill:
+                    done = await self._spill_entry(next(iter(self._unspilled.values())))
+                else:
+                    done = await self._spill_one()
+                if not done:
                     await trio.sleep(1.0)
                     break
                 self._notify_freed()
@@ -508,7 +586,7 @@ class StagingPool:
     def view(self, key: bytes, start: int = 0, count: int | None = None):
         """The chunk's bytes ``[start, start + count)`` if in memory (valid until the next await)."""
         e = self._entries.get(key)
-        if e is None or not e.resident:
+        if e is None or not e.resident or not self.trusted(e):
             return None
         if key in self._evictable:
             self._evictable.move_to_end(key)
@@ -562,7 +640,7 @@ class StagingPool:
         cap = _charge_of(n)
         if self.used_bytes + cap > self.budget_bytes and not self._evict_one() and not self._free:
             return
-        if into is not None and into.entry is None and not into.writing:
+        if into is not None and into.entry is None and not into.writing and not into.file.kernel_opens:
             if self.used_bytes + cap > self.budget_bytes:
                 if not self._free:
                     return
@@ -602,10 +680,10 @@ class StagingPool:
         the fetched copy.
         """
         e = self._entries.get(key)
-        if e is None or not e.resident:
+        if e is None or not e.resident or not self.trusted(e):
             data = await self.read(key, fetch)
             e = self._entries.get(key)
-            if e is None or not e.resident:
+            if e is None or not e.resident or not self.trusted(e):
                 yield data
                 return
         e.leases += 1

@@ -62,7 +62,8 @@ class Slot:
 class FileContent:
     """The chunk slots and size of one file, plus its change counters."""
 
-    __slots__ = ("slots", "size", "seq", "committed_seq", "lock", "broken", "backing", "committing")
+    __slots__ = ("slots", "size", "seq", "committed_seq", "lock", "broken", "backing", "committing", "absorbed",
+                 "kernel_charged")
 
     def __init__(self, size: int = 0):
         self.slots: list[Slot | None] = []
@@ -75,6 +76,10 @@ class FileContent:
         self.committed_seq = 0  # ``seq`` covered by the last manifest commit
         self.lock = trio.Lock()  # serialises slot replacement (alloc, CoW)
         self.broken = False
+        # (size, mtime, ctime) of the backing file when the kernel's writes were last taken in (_kernel_io):
+        # while it is the same, getattr answers the row's mtime (a utimensat since then stands)
+        self.absorbed: tuple[int, int, int] | None = None
+        self.kernel_charged = 0  # pool bytes counted for what the kernel wrote and no slot counts yet
 
     @property
     def dirty(self) -> bool:

@@ -43,6 +43,7 @@ from .._errors import (
     TransientBackendError,
 )
 from .._limits import (
+    CHUNK_BITS,
     CHUNK_BYTES,
     CLUSTER_STATE_POLL_S,
     ERRORS_KEPT_MAX,
@@ -65,6 +66,7 @@ from ._content import FileContent, Slot, VersionPins
 from ._fetch import ChunkFetcher
 from ._health import BackendHealth
 from ._importer import Importer
+from ._kernel_io import absorb, close_kernel, kernel_attrs, kernel_size, open_kernel, run_charger
 from ._options import VfsOptions
 
 log = logging.getLogger(__name__)
@@ -74,13 +76,14 @@ log = logging.getLogger(__name__)
 class Inode:
     """What the daemon holds in memory for an inode the kernel knows."""
 
-    __slots__ = ("ino", "row", "lookups", "opens", "content", "cached_version", "tags", "pins")
+    __slots__ = ("ino", "row", "lookups", "opens", "served", "content", "cached_version", "tags", "pins")
 
     def __init__(self, row: InodeRow):
         self.ino = row.ino
         self.row = row
         self.lookups = 0
         self.opens = 0
+        self.served = 0  # of the opens, those served through requests (not by the kernel) and not being released
         self.content: FileContent | None = None
         self.cached_version = -1  # version whose pages the kernel may hold
         self.tags: dict[bytes, bytes] | None = None  # user.aiturbo.* cache
@@ -100,7 +103,7 @@ class Inode:
 
 
 class Handle:
-    __slots__ = ("fh", "inode", "flags", "writable", "commits", "next_offset")
+    __slots__ = ("fh", "inode", "flags", "writable", "commits", "next_offset", "kernel")
 
     def __init__(self, fh: int, inode: Inode, flags: int, *, created: bool = False):
         self.fh = fh
@@ -111,6 +114,7 @@ class Handle:
         # file (open(O_CREAT|O_RDONLY) makes an empty file that must persist too).
         self.commits = self.writable or created
         self.next_offset = 0  # where a sequential reader reads next (read-ahead)
+        self.kernel = False  # served by the kernel from the backing file (FUSE passthrough: _kernel_io)
 
 
 def _now_ns() -> int:
@@ -165,6 +169,7 @@ class Filesystem:
         await self.persister.recover()
         self._nursery = nursery
         nursery.start_soon(self._run_sealer)
+        nursery.start_soon(run_charger, self)
         await nursery.start(self.persister.run)
 
     def spawn(self, fn: Callable[..., Awaitable[None]], *args) -> bool:
@@ -193,6 +198,14 @@ class Filesystem:
     def _cached(self, ino: int) -> Inode | None:
         return self._inodes.get(ino)
 
+    def kernel_written(self) -> list[Inode]:
+        """The files open for the kernel to write (FUSE passthrough)."""
+        return [h.inode for h in self._handles.values() if h.kernel and h.writable]
+
+    def kernel_writing(self, ino: int) -> bool:
+        node = self._inodes.get(ino)
+        return node is not None and kernel_size(node) is not None
+
     def is_cached(self, ino: int) -> bool:
         """The persister's question: does the kernel or a handle still know ``ino``?"""
         return ino in self._inodes
@@ -211,6 +224,10 @@ class Filesystem:
 
     def _attr(self, node: Inode) -> InodeRow:
         row = node.row
+        kernel = kernel_attrs(node)  # a file the kernel writes: what it has written so far
+        if kernel is not None:
+            size, mtime_ns = kernel
+            return replace(row, size=size, mtime_ns=mtime_ns or row.mtime_ns)
         if node.content is not None and node.content.size != row.size:
             return replace(row, size=node.content.size)
         return row
@@ -386,6 +403,8 @@ class Filesystem:
         ctime_ns: int | None = None,
     ) -> InodeRow:
         node = await self._inode(ino)
+        if kernel_size(node) is not None:
+            await absorb(self, node)  # what the kernel wrote comes before this change (its mtime too)
         now = _now_ns()
         fields: dict = {}
         if size is not None:
@@ -394,11 +413,14 @@ class Filesystem:
             if size > self.size_max:
                 raise FileTooBig(f"size {size} exceeds {self.size_max}, the most the backend can hold")
             content = await self._content(node)
+            kernel = content.backing is not None and content.backing.kernel_opens > 0
             if size and node.row.manifest is None and any(s is not None and s.is_external for s in content.slots):
                 # an imported file gets its manifest first, as open for
                 # writing does: commit cannot describe unhashed chunks
                 await self._hash_external(node, content)
             await self._truncate(node, content, size)
+            if kernel:
+                await self._cut_backing(content, size)
             node.row.mtime_ns = mtime_ns if mtime_ns is not None else now
             if fh is None and node.opens == 0:
                 await self._commit(node)
@@ -676,6 +698,7 @@ class Filesystem:
         self._next_fh += 1
         handle = self._handles[fh] = Handle(fh, node, flags, created=created)
         node.opens += 1
+        node.served += 1
         return handle
 
     async def open(self, ino: int, flags: int) -> tuple[Handle, bool]:
@@ -700,9 +723,14 @@ class Filesystem:
             # libfuse enables atomic_o_trunc: the kernel passes O_TRUNC here
             # and sends no truncating setattr, so open itself empties the file
             # (without it, torch.save over a longer file left its old tail).
+            kernel = content.backing is not None and content.backing.kernel_opens > 0
+            if kernel:
+                await absorb(self, node)  # another open the kernel serves has written it
             if content.size:
                 await self._truncate(node, content, 0)
                 node.row.mtime_ns = _now_ns()
+            if kernel:
+                await self._cut_backing(content, 0)
         elif writable and row.manifest is None and any(s is not None and s.is_external for s in content.slots):
             await self._hash_external(node, content)
         handle = self._open_handle(node, flags)
@@ -711,6 +739,32 @@ class Filesystem:
         keep = node.cached_version == row.version and not content.dirty
         node.cached_version = row.version
         return handle, keep
+
+    async def open_kernel(self, handle: Handle) -> int | None:
+        """The backing file's descriptor if the kernel may serve ``handle`` itself (FUSE passthrough), else None."""
+        return await open_kernel(self, handle)
+
+    async def close_kernel(self, handle: Handle) -> None:
+        """``handle`` is not served by the kernel after all (it refused the backing file)."""
+        if handle.kernel:
+            await close_kernel(self, handle)
+            handle.inode.served += 1
+
+    async def _cut_backing(self, content: FileContent, size: int) -> None:
+        """A file the kernel serves was truncated: so is its backing file (the kernel reads it to its end).
+
+        Entries in the ranges past the cut move out first (``take_range``: a
+        version not yet durable keeps a copy).
+        """
+        backing = content.backing
+        assert backing is not None
+        first = size >> CHUNK_BITS
+        for rng in backing.ranges():
+            if rng.index >= first and rng.entry is not None:
+                charge, _, _ = await self.pool.take_range(rng)
+                self.pool.unreserve(charge)
+        os.ftruncate(backing.fd(), size)
+        content.absorbed = None
 
     async def _join_read_round(self, node: Inode) -> None:
         """A grouped file opened for reading: the nodes reading it share the storage fetches."""
@@ -728,6 +782,10 @@ class Filesystem:
         handle = self._handles.pop(fh)
         node = handle.inode
         try:
+            if handle.kernel:
+                await close_kernel(self, handle)
+            else:
+                node.served -= 1
             if handle.commits and node.content is not None and node.content.dirty and node.row.nlink > 0:
                 await self._commit(node)
         finally:
@@ -740,6 +798,8 @@ class Filesystem:
         node = handle.inode
         if not handle.commits or node.content is None:
             return
+        if kernel_size(node) is not None:
+            await absorb(self, node)
         if node.content.dirty and node.row.nlink > 0:
             await self._commit(node)
         if self.options.sync_close and node.row.nlink > 0 and node.row.state != STATE_DURABLE:
@@ -750,6 +810,8 @@ class Filesystem:
         node = handle.inode
         if node.content is None:
             return
+        if kernel_size(node) is not None:
+            await absorb(self, node)
         if node.content.dirty and node.row.nlink > 0:
             await self._commit(node, sync=True)
         elif node.row.nlink > 0:
@@ -827,7 +889,7 @@ class Filesystem:
                 if charge < need:
                     await self._reserve(content, index, need - charge)
                     charge = need
-                if charge >= CHUNK_BYTES:
+                if charge >= CHUNK_BYTES and not rng.file.kernel_opens:  # (its size is the file's then)
                     rng.open_for_writing()
                 # A truncate (which takes no lock) may have shortened the slots while we waited.
                 content.ensure_slots(index)

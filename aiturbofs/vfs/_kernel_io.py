@@ -1,0 +1,312 @@
+"""Files whose bytes the kernel writes and reads itself (FUSE passthrough).
+
+When the FUSE session hands a file's backing file to the kernel, no READ or
+WRITE request reaches the daemon: the kernel writes the backing file at
+memory speed.  The daemon learns what was written from the backing file
+itself, at the points where POSIX lets an observer tell: flush (close),
+fsync, release, and getattr (the size).  This module is that bookkeeping.
+
+Which opens go through the kernel (``open_kernel``):
+
+* a writer of an empty file: one just created, or truncated by O_TRUNC, whose
+  backing file then holds nothing else (older versions' chunks in it are
+  moved out first: ``take_range``);
+* any open of a file already open that way: the kernel refuses to mix
+  passthrough and cached opens of one inode (ETXTBSY), and while a file is
+  open through the kernel all its bytes are in its backing file.
+
+Everything else (an existing file opened to read or to write in place, a
+file whose bytes are elsewhere: spill, peers, the backend) is served through
+requests as before.
+
+What the daemon does about the bytes (``absorb``): the backing file's size
+is the file's size; each chunk the kernel may have written becomes an open
+slot charged to the pool (even past its budget: the bytes are there
+already; the spiller makes room) and is sealed by the commit as if the
+daemon had written it.  A sealed chunk whose range the kernel may still
+write is *volatile* in the pool: hashed again before anyone reads it, never
+evicted or spilled.  When the last writer is gone, every chunk sealed
+while it was open is hashed once more (in a worker thread, at low priority:
+close() has returned by then) and trusted again; one that changed after its
+seal (a write after fsync, a shared mapping) is sealed anew and committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from typing import TYPE_CHECKING
+
+import trio
+
+from .. import chunk
+from .._errors import FileTooBig
+from .._limits import KERNEL_CHARGE_POLL_S, PASSTHROUGH_FREE_FRACTION_MIN
+from .._threads import background
+from ..staging import content_key_of, is_hole, room
+from ._content import Slot
+
+if TYPE_CHECKING:
+    from ._fs import Filesystem, Handle, Inode
+
+log = logging.getLogger(__name__)
+
+
+async def open_kernel(fs: Filesystem, handle: Handle) -> int | None:
+    """If the kernel may serve ``handle`` from the backing file: count it and return the backing file's descriptor."""
+    node = handle.inode
+    if not stat.S_ISREG(node.row.mode) or node.content is None:
+        return None
+    content = node.content
+    backing = fs._backing(node, content)
+    if not backing.kernel_opens:
+        empty = _empty_content(content)
+        if node.served > 1 or (content.dirty and not empty):
+            # open through requests already (the kernel would refuse the mix), or being written that way
+            log.debug("inode %d served through requests: %s", node.ino, "open already" if node.served > 1 else "dirty")
+            return None
+        if fs.pool.free_fraction() < PASSTHROUGH_FREE_FRACTION_MIN:
+            # The kernel cannot be made to wait for memory, and a file it serves keeps its chunks
+            # in memory: under pressure files are served through requests, which wait while the
+            # pool spills, persists and evicts.
+            log.debug("inode %d served through requests: the pool is short of memory", node.ino)
+            return None
+        if empty:
+            await _empty(fs, backing)
+        elif not _local(content, backing):
+            log.debug("inode %d served through requests: not all its chunks are in its backing file", node.ino)
+            return None
+        # checked again after the awaits: another open, or a write through it, may have come meanwhile
+        if not backing.kernel_opens and (node.served > 1 or not (_empty_content(content) or _local(content, backing))):
+            return None
+        _fit(backing, content.size)
+    try:
+        fd = backing.fd()
+    except OSError as exc:
+        log.warning("passthrough open of inode %d: backing file %s: %s", node.ino, backing.path, exc)
+        return None
+    if handle.writable:
+        # A version not yet durable keeps its bytes: the kernel is about to write over them in place.
+        backing.kernel_opens += 1  # (counted first: no open through requests slips in meanwhile)
+        try:
+            for rng in backing.ranges():
+                e = rng.entry
+                if e is not None and e.pins and not e.spilled:
+                    charge, _, _ = await fs.pool.take_range(rng)
+                    fs.pool.unreserve(charge)
+        finally:
+            backing.kernel_opens -= 1
+    backing.kernel_opens += 1
+    node.served -= 1
+    if handle.writable:
+        backing.kernel_writers += 1
+        for rng in backing.ranges():
+            fs.pool.unsteady(rng)  # the kernel may change them now
+    handle.kernel = True
+    content.absorbed = _stamp(backing)
+    return fd
+
+
+def _empty_content(content) -> bool:
+    return content.size == 0 and not any(s is not None for s in content.slots)
+
+
+def _local(content, backing) -> bool:
+    """Whether every chunk of the file is in its own backing file (and nothing else is there)."""
+    n = chunk.chunk_count(content.size)
+    for index in range(n):
+        slot = content.slot_at(index)
+        rng = backing.range(index)
+        e = rng.entry
+        if slot is None:
+            if e is not None:
+                return False
+            continue
+        if slot.is_open or slot.key is None or e is None or e.key != slot.key or e.length != chunk.chunk_length(content.size, index):
+            return False
+    return not any(r.entry is not None for r in backing.ranges() if r.index >= n)
+
+
+def _fit(backing, size: int) -> None:
+    """The kernel reads and writes the backing file to its end: make that the file's end."""
+    fd = backing.fd()
+    if os.fstat(fd).st_size != size:
+        os.ftruncate(fd, size)
+
+
+def _stamp(backing) -> tuple[int, int, int]:
+    st = os.fstat(backing.fd())
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+async def _empty(fs: Filesystem, backing) -> None:
+    """Move every chunk out of ``backing`` (pinned ones keep a copy) and cut it to 0 bytes."""
+    for rng in backing.ranges():
+        charge, _, _ = await fs.pool.take_range(rng)
+        fs.pool.unreserve(charge)
+        rng.writing = False
+    os.ftruncate(backing.fd(), 0)
+
+
+def kernel_size(node: Inode) -> int | None:
+    """The size of a file the kernel is writing: its backing file's (None if it is not)."""
+    attrs = kernel_attrs(node)
+    return attrs[0] if attrs else None
+
+
+def kernel_attrs(node: Inode) -> tuple[int, int | None] | None:
+    """(size, mtime) of a file the kernel is writing: its backing file's; mtime None if nothing
+    was written since the last absorb (the row's then stands: a utimensat since counts)."""
+    content = node.content
+    if content is None or content.backing is None or not content.backing.kernel_writers:
+        return None
+    try:
+        st = os.fstat(content.backing.fd())
+    except OSError:
+        return None
+    fresh = (st.st_size, st.st_mtime_ns, st.st_ctime_ns) != content.absorbed
+    return st.st_size, st.st_mtime_ns if fresh else None
+
+
+async def absorb(fs: Filesystem, node: Inode, *, verify: bool = False) -> None:
+    """Take what the kernel wrote into the backing file into the file's slots (see module doc).
+
+    Every chunk is hashed (worker threads) and compared with what its slot
+    says; a chunk that differs is sealed with its new key and handed to the
+    pool in place (its old entry there let go), and the file is dirty for the
+    commit that follows.  Timestamps cannot say "unchanged": a write within
+    the clock's tick, or through a shared mapping, leaves them as they were.
+    ``verify`` (the last writer is gone): at low priority, and the chunks
+    found unchanged are trusted again (``steady``).
+    """
+    content = node.file
+    backing = content.backing
+    if backing is None:
+        return
+    fs.pool.unreserve(content.kernel_charged)  # the slots count the bytes now (below)
+    content.kernel_charged = 0
+    st = os.fstat(backing.fd())
+    size = st.st_size
+    if size > fs.size_max:
+        raise FileTooBig(f"a file of {size} bytes exceeds {fs.size_max}, the most the backend can hold")
+    changed = size != content.size
+    async with content.lock:
+        for index in range(chunk.chunk_count(size)):
+            length = chunk.chunk_length(size, index)
+            slot = content.slot_at(index)
+            rng = content.range(index)
+            if slot is None and is_hole(backing.fd(), rng.offset, length):
+                continue  # still a hole (a sparse file's gigabytes cost an lseek each)
+            if verify:  # after close() returned: at low priority
+                key = await trio.to_thread.run_sync(background, content_key_of, backing.path, rng.offset, length)
+            else:
+                key = await trio.to_thread.run_sync(content_key_of, backing.path, rng.offset, length)
+            was = chunk.HOLE if slot is None else slot.key
+            if key == was and chunk.chunk_length(content.size, index) == length:
+                if verify and backing.kernel_writers <= 1:  # (only the one closing: none came back meanwhile)
+                    fs.pool.steady(rng)
+                continue
+            if slot is not None and slot.key is not None and verify:
+                log.info("chunk %d of inode %d changed after it was sealed (a passthrough write): sealed again",
+                         index, node.ino)
+            _reseal(fs, node, content, index, key, length)
+            changed = True
+        content.size = size
+    if changed:
+        content.seq += 1
+        node.row.mtime_ns = st.st_mtime_ns
+    content.absorbed = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)  # getattr's mtime: the row's until it moves
+
+
+def _reseal(fs: Filesystem, node: Inode, content, index: int, key: bytes, length: int) -> None:
+    """Chunk ``index`` now holds the bytes of ``key``, there in its range: seal it so (pinned, as a write's seal)."""
+    rng = content.range(index)
+    charge = fs.pool.disown_range(rng)  # an entry of the old bytes no longer has them here
+    content.ensure_slots(index)
+    old = content.slots[index]
+    if old is not None and old.is_open:
+        charge, old.charge = charge + old.charge, 0
+    rng.writing = False
+    if key == chunk.HOLE:
+        fs.pool.unreserve(charge)
+        content.slots[index] = None  # zeros: a hole (punched once no writer can race the punch)
+    else:
+        need = room(length, index)
+        if charge < need:
+            fs.pool.charge_present(need - charge)
+        elif charge > need:
+            fs.pool.unreserve(charge - need)
+        content.slots[index] = Slot(key=key, pinned=True)
+        fs.pool.adopt_range(key, rng, length, need)
+    if old is not None and not old.is_open:
+        fs._free_slot(old, node, content=content, index=index)
+
+
+def _charge(fs: Filesystem, slot: Slot, need: int) -> None:
+    """The slot counts ``need`` bytes of the budget: the bytes are there already, so past it if need be."""
+    if slot.charge < need:
+        fs.pool.charge_present(need - slot.charge)
+    elif slot.charge > need:
+        fs.pool.unreserve(slot.charge - need)
+    slot.charge = need
+
+
+async def close_kernel(fs: Filesystem, handle: Handle) -> None:
+    """``handle``, served by the kernel, is released (before the file's release commits).
+
+    It counts as open until the check of the last writer's chunks is done:
+    an open meanwhile (an O_TRUNC rewrite at once) then goes to the kernel
+    too, and waits for the check before it cuts the file.
+    """
+    node = handle.inode
+    content = node.content
+    handle.kernel = False
+    if content is None or content.backing is None:
+        return
+    backing = content.backing
+    try:
+        if handle.writable and backing.kernel_writers == 1 and node.row.nlink > 0:
+            await absorb(fs, node, verify=True)
+    finally:
+        backing.kernel_opens -= 1
+        if handle.writable:
+            backing.kernel_writers -= 1
+    if handle.writable and not backing.kernel_writers:
+        fs.pool.unreserve(content.kernel_charged)
+        content.kernel_charged = 0
+        for rng in backing.ranges():  # what was not checked (an unlinked file) is not trusted
+            e = rng.entry
+            if e is not None and e.volatile:
+                fs.pool.unreserve(fs.pool.disown_range(rng))
+    if not backing.kernel_opens:
+        for rng in backing.ranges():
+            slot = content.slot_at(rng.index)
+            if rng.entry is None and (slot is None or slot.key is not None):
+                fs._punch(rng)  # zeros, or a chunk the pool has elsewhere: the copy here was the kernel's
+
+
+async def run_charger(fs: Filesystem) -> None:
+    """Count what the kernel writes into open files against the pool while it writes.
+
+    The kernel writes passthrough files without asking; counted only at
+    flush, a large file would fill the staging tmpfs before the pool knew
+    to make room.  Every KERNEL_CHARGE_POLL_S the bytes each such backing
+    file allocates beyond what its slots count are charged (the pool then
+    evicts clean chunks and spills pinned ones of other files).
+    """
+    while True:
+        await trio.sleep(KERNEL_CHARGE_POLL_S)
+        for node in fs.kernel_written():
+            content = node.content
+            if content is None or content.backing is None:
+                continue
+            try:
+                allocated = os.fstat(content.backing.fd()).st_blocks * 512
+            except OSError:
+                continue
+            counted = sum(s.charge for s in content.slots if s is not None and s.is_open)
+            delta = allocated - counted - content.kernel_charged
+            if delta > 0:
+                fs.pool.charge_present(delta)
+                content.kernel_charged += delta
