@@ -264,8 +264,8 @@ ODD_KEYS = {
 }
 
 
-def test_odd_backend_keys_never_escape_the_mount(make_mount, s3_server):  # noqa: F811
-    bucket = s3_server.make_bucket("odd-keys")
+def test_odd_backend_keys_never_escape_the_mount(make_mount, s3_server, datapath):  # noqa: F811
+    bucket = s3_server.make_bucket(f"odd-keys-{datapath}")  # a bucket per data path: the server is shared
     client = s3_server.client()
     for key, body in ODD_KEYS.items():
         client.put_object(Bucket=bucket, Key=key, Body=body)

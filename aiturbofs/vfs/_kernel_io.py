@@ -4,31 +4,37 @@ When the FUSE session hands a file's backing file to the kernel, no READ or
 WRITE request reaches the daemon: the kernel writes the backing file at
 memory speed.  The daemon learns what was written from the backing file
 itself, at the points where POSIX lets an observer tell: flush (close),
-fsync, release, and getattr (the size).  This module is that bookkeeping.
+fsync, truncate, release, and getattr (the size).  This module is that
+bookkeeping.
 
-Which opens go through the kernel (``open_kernel``):
+Which opens go to the kernel (``open_kernel``), while a quarter of the pool
+is free (the kernel cannot be made to wait for memory; under pressure files
+are served through requests, which wait):
 
-* a writer of an empty file: one just created, or truncated by O_TRUNC, whose
-  backing file then holds nothing else (older versions' chunks in it are
-  moved out first: ``take_range``);
+* a writer or reader of an empty file (just created, or emptied by O_TRUNC;
+  older versions' chunks in its backing file move out first: ``take_range``);
+* a reader or writer of a file whose every chunk is in its own backing file
+  (written or read here before), nothing served through requests open; a
+  writer first moves out the chunks of versions not yet durable (they get a
+  copy), since the kernel writes over them in place;
 * any open of a file already open that way: the kernel refuses to mix
   passthrough and cached opens of one inode (ETXTBSY), and while a file is
-  open through the kernel all its bytes are in its backing file.
-
-Everything else (an existing file opened to read or to write in place, a
-file whose bytes are elsewhere: spill, peers, the backend) is served through
-requests as before.
+  open through the kernel all its bytes are in its backing file (the pool
+  neither evicts nor punches them).
 
 What the daemon does about the bytes (``absorb``): the backing file's size
-is the file's size; each chunk the kernel may have written becomes an open
-slot charged to the pool (even past its budget: the bytes are there
-already; the spiller makes room) and is sealed by the commit as if the
-daemon had written it.  A sealed chunk whose range the kernel may still
-write is *volatile* in the pool: hashed again before anyone reads it, never
-evicted or spilled.  When the last writer is gone, every chunk sealed
-while it was open is hashed once more (in a worker thread, at low priority:
-close() has returned by then) and trusted again; one that changed after its
-seal (a write after fsync, a shared mapping) is sealed anew and committed.
+is the file's size; every chunk is hashed and compared with its slot (time
+stamps cannot say "unchanged": a write within the clock's tick or through a
+shared mapping leaves them); a changed chunk is sealed in place with its new
+key, charged to the pool (even past the budget: the bytes are there; the
+spiller makes room), and the commit that follows is the daemon's usual one.
+A sealed chunk whose range the kernel may still write is *volatile* in the
+pool: hashed again before anyone else reads it, never evicted or spilled.
+When the last writer is gone the release hashes every chunk once more (in a
+worker thread, at low priority: close() has returned by then) and trusts
+the unchanged ones again; a changed one (a write after fsync, a shared
+mapping) is sealed anew and committed.  The release counts as an open until
+then, so a reopen waits for that check instead of racing it.
 """
 
 from __future__ import annotations
