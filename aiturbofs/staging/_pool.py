@@ -264,6 +264,20 @@ class StagingPool:
         e = self._entries.get(key)
         if e is not None and e.volatile:
             self._leave_volatile(e)  # a copy the kernel may change: this range is the chunk now
+        if e is not None and not e.leases and (e.buf is not None or _unused(e.rng)):
+            # The chunk's bytes arrive in a file's range while its copy is a buffer, or a range of a
+            # file nobody uses any more (a cache of a removed file): the file's own range is where it
+            # lives now (whole in its backing file, the kernel may serve it), the other copy goes.
+            if e.buf is not None:
+                buf, e.buf = e.buf, None
+                self.release(buf)
+            else:
+                old, e.rng = e.rng, None
+                assert old is not None
+                old.entry = None
+                self._punch(old)
+                self.unreserve(e.charge)
+            e.charge = 0
         if e is not None and e.resident:
             if not rng.file.kernel_opens:  # else the bytes stay: the kernel serves them from there
                 self._punch(rng)
@@ -748,6 +762,11 @@ class _Flight:
         self.done = trio.Event()
         self.data = None
         self.error: Exception | None = None
+
+
+def _unused(rng: Range | None) -> bool:
+    """A range of a backing file no file's content holds (and the kernel does not serve)."""
+    return rng is not None and rng.file.users == 0 and not rng.file.kernel_opens and rng.file.ino is not None
 
 
 def _charge_of(n: int) -> int:
