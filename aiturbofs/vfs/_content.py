@@ -63,7 +63,7 @@ class FileContent:
     """The chunk slots and size of one file, plus its change counters."""
 
     __slots__ = ("slots", "size", "seq", "committed_seq", "lock", "broken", "backing", "committing", "absorbed",
-                 "kernel_charged")
+                 "kernel_charged", "kernel_rdwr")
 
     def __init__(self, size: int = 0):
         self.slots: list[Slot | None] = []
@@ -80,6 +80,10 @@ class FileContent:
         # while it is the same, getattr answers the row's mtime (a utimensat since then stands)
         self.absorbed: tuple[int, int, int] | None = None
         self.kernel_charged = 0  # pool bytes counted for what the kernel wrote and no slot counts yet
+        # a passthrough writer opened O_RDWR since the last check (it may have written through a shared
+        # mapping, which changes no time stamp; O_WRONLY and O_RDONLY opens cannot map for writing), or
+        # two at once: the release then hashes every chunk again
+        self.kernel_rdwr = False
 
     @property
     def dirty(self) -> bool:

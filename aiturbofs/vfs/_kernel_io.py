@@ -107,6 +107,8 @@ async def open_kernel(fs: Filesystem, handle: Handle) -> int | None:
     node.served -= 1
     if handle.writable:
         backing.kernel_writers += 1
+        if handle.flags & os.O_ACCMODE == os.O_RDWR or backing.kernel_writers > 1:
+            content.kernel_rdwr = True  # (several writers: one may write while another's close hashes)
         for rng in backing.ranges():
             fs.pool.unsteady(rng)  # the kernel may change them now
     handle.kernel = True
@@ -222,7 +224,8 @@ async def absorb(fs: Filesystem, node: Inode, *, verify: bool = False) -> None:
     if changed:
         content.seq += 1
         node.row.mtime_ns = st.st_mtime_ns
-    content.absorbed = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)  # getattr's mtime: the row's until it moves
+    # taken before hashing: a write meanwhile moves it (getattr's mtime is the row's until it moves)
+    content.absorbed = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _reseal(fs: Filesystem, node: Inode, content, index: int, key: bytes, length: int) -> None:
@@ -273,7 +276,15 @@ async def close_kernel(fs: Filesystem, handle: Handle) -> None:
     backing = content.backing
     try:
         if handle.writable and backing.kernel_writers == 1 and node.row.nlink > 0:
-            await absorb(fs, node, verify=True)
+            if content.kernel_rdwr or _stamp(backing) != content.absorbed:
+                await absorb(fs, node, verify=True)
+                content.kernel_rdwr = False
+            else:
+                # Nothing written since the last absorb hashed every chunk: its stamp (taken before it
+                # hashed, and so marking the ctime as seen: the next write gets a fine-grained one) is
+                # the same, and no open could map the file for writing.
+                for rng in backing.ranges():
+                    fs.pool.steady(rng)
     finally:
         backing.kernel_opens -= 1
         if handle.writable:
