@@ -183,8 +183,8 @@ async def absorb(fs: Filesystem, node: Inode, *, verify: bool = False) -> None:
     Every chunk is hashed (worker threads) and compared with what its slot
     says; a chunk that differs is sealed with its new key and handed to the
     pool in place (its old entry there let go), and the file is dirty for the
-    commit that follows.  Timestamps cannot say "unchanged": a write within
-    the clock's tick, or through a shared mapping, leaves them as they were.
+    commit that follows.  Time stamps alone cannot say "unchanged" (a write
+    through a shared mapping moves none; see ``close_kernel`` for when they may).
     ``verify`` (the last writer is gone): at low priority, and the chunks
     found unchanged are trusted again (``steady``).
     """
