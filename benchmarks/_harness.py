@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import signal
@@ -28,6 +29,7 @@ RESULTS_DIR = os.path.join(BENCH_DIR, "results")
 MINIMAL_FS = os.path.join(BENCH_DIR, "minimal_fs.py")
 MOUNT_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 600.0  # aiturbofs drains its persist queue at unmount
+MiB = 1 << 20
 
 sys.path.insert(0, os.path.join(REPO, "tests"))
 from mounting import Mount, is_mounted  # noqa: E402  (the tests' own mount helper)
@@ -221,6 +223,25 @@ def read_together(paths: list[str], want: list[str], timeout_s: float, what: str
 
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def py_wronly(path: str, size: int, pid: int | None) -> dict:
+    """1 MiB ``pwrite`` calls from this process into ``path`` opened O_WRONLY (as torch.save and safetensors
+    open), close() timed on its own: MiB/s, close_s, and the CPU seconds of process ``pid`` (user_s, sys_s)
+    from open() until close() returned."""
+    buf = mmap.mmap(-1, MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf[:] = os.urandom(MiB)
+    u0, s0 = cpu_times(pid) if pid else (0.0, 0.0)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    t0 = time.monotonic()
+    for off in range(0, size, MiB):
+        if os.pwrite(fd, buf, off) != MiB:
+            raise OSError(f"short write at {off}")
+    t1 = time.monotonic()
+    os.close(fd)
+    t2 = time.monotonic()
+    u1, s1 = cpu_times(pid) if pid else (0.0, 0.0)
+    return {"mib_s": size / MiB / (t1 - t0), "close_s": t2 - t1, "user_s": u1 - u0, "sys_s": s1 - s0}
 
 
 def cpu_times(pid: int) -> tuple[float, float]:

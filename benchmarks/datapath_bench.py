@@ -27,7 +27,6 @@ benchmarks/results/datapath-<time>.{md,json}.
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import sys
 import time
@@ -43,20 +42,9 @@ TENSOR_MIB = 64
 
 
 def py_wronly(path: str, size: int, pid: int | None) -> dict:
-    buf = mmap.mmap(-1, MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf[:] = os.urandom(MiB)
-    c0 = h.cpu_times(pid) if pid else (0.0, 0.0)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    t0 = time.monotonic()
-    for off in range(0, size, MiB):
-        if os.pwrite(fd, buf, off) != MiB:
-            raise OSError(f"short write at {off}")
-    t1 = time.monotonic()
-    os.close(fd)
-    t2 = time.monotonic()
-    c1 = h.cpu_times(pid) if pid else (0.0, 0.0)
-    cpu = (c1[0] - c0[0]) + (c1[1] - c0[1])
-    return {"mib_s": size / MiB / (t1 - t0), "close_s": t2 - t1, "cpu_s_per_gib": cpu / (size / GiB) if pid else None}
+    r = h.py_wronly(path, size, pid)
+    r["cpu_s_per_gib"] = (r["user_s"] + r["sys_s"]) / (size / GiB) if pid else None
+    return r
 
 
 def state_dict(size: int):

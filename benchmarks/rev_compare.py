@@ -24,11 +24,9 @@ before the next mount starts.  Results: benchmarks/results/rev-<time>.{md,json}.
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import subprocess
 import sys
-import time
 from contextlib import ExitStack
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -40,22 +38,6 @@ GiB = 1 << 30
 DURABLE_TIMEOUT_S = 600.0
 
 
-def _py_wronly(path: str, size: int, pid: int) -> dict:
-    buf = mmap.mmap(-1, MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf[:] = os.urandom(MiB)
-    u0, s0 = h.cpu_times(pid)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    t0 = time.monotonic()
-    for off in range(0, size, MiB):
-        if os.pwrite(fd, buf, off) != MiB:
-            raise OSError(f"short write at {off}")
-    t1 = time.monotonic()
-    os.close(fd)
-    t2 = time.monotonic()
-    u1, s1 = h.cpu_times(pid)
-    return {"mib_s": size / MiB / (t1 - t0), "close_s": t2 - t1, "user_s": u1 - u0, "sys_s": s1 - s0}
-
-
 def _fio(directory: str, size: int, pid: int) -> dict:
     u0, s0 = h.cpu_times(pid)
     r = fb.run_fio(directory, "write", MiB, 1, size)
@@ -63,7 +45,7 @@ def _fio(directory: str, size: int, pid: int) -> dict:
     return {"mib_s": r["mib_s"], "close_s": float("nan"), "user_s": u1 - u0, "sys_s": s1 - s0}
 
 
-WORKLOADS = {"py O_WRONLY": _py_wronly, "fio write": _fio}
+WORKLOADS = {"py O_WRONLY": h.py_wronly, "fio write": _fio}
 
 
 def run_one(tree: str, workload: str, size: int, dram: str) -> dict:
