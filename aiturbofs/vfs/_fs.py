@@ -66,7 +66,7 @@ from ._content import FileContent, Slot, VersionPins
 from ._fetch import ChunkFetcher
 from ._health import BackendHealth
 from ._importer import Importer
-from ._kernel_io import absorb, close_kernel, kernel_attrs, kernel_size, open_kernel, run_charger
+from ._kernel_io import absorb, being_written, close_kernel, kernel_attrs, open_kernel, run_charger
 from ._options import VfsOptions
 
 log = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ class Filesystem:
 
     def kernel_writing(self, ino: int) -> bool:
         node = self._inodes.get(ino)
-        return node is not None and kernel_size(node) is not None
+        return node is not None and being_written(node)
 
     def is_cached(self, ino: int) -> bool:
         """The persister's question: does the kernel or a handle still know ``ino``?"""
@@ -403,7 +403,7 @@ class Filesystem:
         ctime_ns: int | None = None,
     ) -> InodeRow:
         node = await self._inode(ino)
-        if kernel_size(node) is not None:
+        if being_written(node):
             await absorb(self, node)  # what the kernel wrote comes before this change (its mtime too)
         now = _now_ns()
         fields: dict = {}
@@ -798,7 +798,7 @@ class Filesystem:
         node = handle.inode
         if not handle.commits or node.content is None:
             return
-        if kernel_size(node) is not None:
+        if being_written(node):
             await absorb(self, node)
         if node.content.dirty and node.row.nlink > 0:
             await self._commit(node)
@@ -810,7 +810,7 @@ class Filesystem:
         node = handle.inode
         if node.content is None:
             return
-        if kernel_size(node) is not None:
+        if being_written(node):
             await absorb(self, node)
         if node.content.dirty and node.row.nlink > 0:
             await self._commit(node, sync=True)

@@ -24,8 +24,8 @@ are served through requests, which wait):
 
 What the daemon does about the bytes (``absorb``): the backing file's size
 is the file's size; every chunk is hashed and compared with its slot (time
-stamps cannot say "unchanged": a write within the clock's tick or through a
-shared mapping leaves them); a changed chunk is sealed in place with its new
+stamps alone cannot say "unchanged": a write through a shared mapping moves
+none); a changed chunk is sealed in place with its new
 key, charged to the pool (even past the budget: the bytes are there; the
 spiller makes room), and the commit that follows is the daemon's usual one.
 A sealed chunk whose range the kernel may still write is *volatile* in the
@@ -33,8 +33,11 @@ pool: hashed again before anyone else reads it, never evicted or spilled.
 When the last writer is gone the release hashes every chunk once more (in a
 worker thread, at low priority: close() has returned by then) and trusts
 the unchanged ones again; a changed one (a write after fsync, a shared
-mapping) is sealed anew and committed.  The release counts as an open until
-then, so a reopen waits for that check instead of racing it.
+mapping) is sealed anew and committed.  It skips that second hash when
+nothing can have changed since the last absorb: the same stamp, and no
+O_RDWR writer (which could map the file) nor two writers at once.  The
+release counts as an open until then, so a reopen waits for that check
+instead of racing it.
 """
 
 from __future__ import annotations
@@ -112,7 +115,7 @@ async def open_kernel(fs: Filesystem, handle: Handle) -> int | None:
         for rng in backing.ranges():
             fs.pool.unsteady(rng)  # the kernel may change them now
     handle.kernel = True
-    content.absorbed = _stamp(backing)
+    content.absorbed = _stamp(os.fstat(backing.fd()))
     return fd
 
 
@@ -143,8 +146,8 @@ def _fit(backing, size: int) -> None:
         os.ftruncate(fd, size)
 
 
-def _stamp(backing) -> tuple[int, int, int]:
-    st = os.fstat(backing.fd())
+def _stamp(st: os.stat_result) -> tuple[int, int, int]:
+    """What says a backing file changed: its size, mtime and ctime (see ``close_kernel`` for when it may be trusted)."""
     return st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
@@ -157,24 +160,23 @@ async def _empty(fs: Filesystem, backing) -> None:
     os.ftruncate(backing.fd(), 0)
 
 
-def kernel_size(node: Inode) -> int | None:
-    """The size of a file the kernel is writing: its backing file's (None if it is not)."""
-    attrs = kernel_attrs(node)
-    return attrs[0] if attrs else None
+def being_written(node: Inode) -> bool:
+    """Whether the kernel may be writing the file now (a passthrough writer is open)."""
+    content = node.content
+    return content is not None and content.backing is not None and content.backing.kernel_writers > 0
 
 
 def kernel_attrs(node: Inode) -> tuple[int, int | None] | None:
     """(size, mtime) of a file the kernel is writing: its backing file's; mtime None if nothing
     was written since the last absorb (the row's then stands: a utimensat since counts)."""
     content = node.content
-    if content is None or content.backing is None or not content.backing.kernel_writers:
+    if content is None or content.backing is None or not being_written(node):
         return None
     try:
         st = os.fstat(content.backing.fd())
     except OSError:
         return None
-    fresh = (st.st_size, st.st_mtime_ns, st.st_ctime_ns) != content.absorbed
-    return st.st_size, st.st_mtime_ns if fresh else None
+    return st.st_size, st.st_mtime_ns if _stamp(st) != content.absorbed else None
 
 
 async def absorb(fs: Filesystem, node: Inode, *, verify: bool = False) -> None:
@@ -225,7 +227,7 @@ async def absorb(fs: Filesystem, node: Inode, *, verify: bool = False) -> None:
         content.seq += 1
         node.row.mtime_ns = st.st_mtime_ns
     # taken before hashing: a write meanwhile moves it (getattr's mtime is the row's until it moves)
-    content.absorbed = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    content.absorbed = _stamp(st)
 
 
 def _reseal(fs: Filesystem, node: Inode, content, index: int, key: bytes, length: int) -> None:
@@ -252,15 +254,6 @@ def _reseal(fs: Filesystem, node: Inode, content, index: int, key: bytes, length
         fs._free_slot(old, node, content=content, index=index)
 
 
-def _charge(fs: Filesystem, slot: Slot, need: int) -> None:
-    """The slot counts ``need`` bytes of the budget: the bytes are there already, so past it if need be."""
-    if slot.charge < need:
-        fs.pool.charge_present(need - slot.charge)
-    elif slot.charge > need:
-        fs.pool.unreserve(slot.charge - need)
-    slot.charge = need
-
-
 async def close_kernel(fs: Filesystem, handle: Handle) -> None:
     """``handle``, served by the kernel, is released (before the file's release commits).
 
@@ -276,7 +269,7 @@ async def close_kernel(fs: Filesystem, handle: Handle) -> None:
     backing = content.backing
     try:
         if handle.writable and backing.kernel_writers == 1 and node.row.nlink > 0:
-            if content.kernel_rdwr or _stamp(backing) != content.absorbed:
+            if content.kernel_rdwr or _stamp(os.fstat(backing.fd())) != content.absorbed:
                 await absorb(fs, node, verify=True)
                 content.kernel_rdwr = False
             else:
@@ -314,7 +307,7 @@ async def run_charger(fs: Filesystem) -> None:
     """
     while True:
         await trio.sleep(KERNEL_CHARGE_POLL_S)
-        for node in fs.kernel_written():
+        for node in {n.ino: n for n in fs.kernel_written()}.values():  # (one per file, not per open)
             content = node.content
             if content is None or content.backing is None:
                 continue
@@ -322,7 +315,9 @@ async def run_charger(fs: Filesystem) -> None:
                 allocated = os.fstat(content.backing.fd()).st_blocks * 512
             except OSError:
                 continue
-            counted = sum(s.charge for s in content.slots if s is not None and s.is_open)
+            # counted already: its entries here (sealed by an absorb) and open slots
+            counted = (sum(r.entry.charge for r in content.backing.ranges() if r.entry is not None)
+                       + sum(s.charge for s in content.slots if s is not None and s.is_open))
             delta = allocated - counted - content.kernel_charged
             if delta > 0:
                 fs.pool.charge_present(delta)
