@@ -358,35 +358,26 @@ class KernelSession:
                 log.warning("could not close passthrough backing id %d: %s", backing_id, exc)
 
     # ------------------------------------------------------------ replies and notifications
-    def _send(self, parts: list) -> None:
+    def _send(self, error: int, unique: int, payload=b"") -> None:
+        """One message to the kernel: a reply (``error`` 0 or -errno) or a notification (``error`` its code, unique 0)."""
+        header = _abi.OUT_HEADER.struct.pack(_abi.OUT_HEADER.size + len(payload), error, unique)
         try:
-            os.writev(self.fd, parts)
+            os.writev(self.fd, [header, payload] if len(payload) else [header])
         except FileNotFoundError:
-            pass  # the request was interrupted and the kernel gave up on it
+            pass  # the kernel no longer waits for it (an interrupted request) or knows the inode (a notification)
         except OSError as exc:
             if exc.errno not in (errno.ENODEV, errno.EBADF):  # unmounted / closed meanwhile
                 raise
 
     def _reply(self, unique: int, payload=b"") -> None:
-        if isinstance(payload, list):
-            size = sum(len(p) for p in payload)
-            self._send([_abi.OUT_HEADER.struct.pack(_abi.OUT_HEADER.size + size, 0, unique), *payload])
-        else:
-            self._send([_abi.OUT_HEADER.struct.pack(_abi.OUT_HEADER.size + len(payload), 0, unique), payload])
+        self._send(0, unique, payload)
 
     def _reply_error(self, unique: int, err: int) -> None:
-        self._send([_abi.OUT_HEADER.struct.pack(_abi.OUT_HEADER.size, -(err or errno.EIO), unique)])
+        self._send(-(err or errno.EIO), unique)
 
     def _notify(self, code: int, payload: bytes) -> None:
-        if self.fd < 0:
-            return
-        try:
-            os.writev(self.fd, [_abi.OUT_HEADER.struct.pack(_abi.OUT_HEADER.size + len(payload), code, 0), payload])
-        except FileNotFoundError:
-            pass  # the kernel does not know the inode (any more): nothing is cached
-        except OSError as exc:
-            if exc.errno not in (errno.ENODEV, errno.EBADF):
-                raise
+        if self.fd >= 0:
+            self._send(code, 0, payload)
 
     def invalidate_inode(self, ino: int, attr_only: bool = False) -> None:
         """Drop the kernel's attributes of ``ino`` (and, unless ``attr_only``, its cached pages)."""
@@ -502,7 +493,7 @@ class KernelSession:
 
     async def _read(self, head, body):
         r = _abi.READ_IN.unpack(body)
-        return [await self.ops.read(r.fh, r.offset, r.size)]
+        return await self.ops.read(r.fh, r.offset, r.size)  # (sent as it is: no copy)
 
     async def _write(self, head, body):
         w = _abi.WRITE_IN.unpack(body)
