@@ -47,9 +47,9 @@ def entry(row: InodeRow) -> pyfuse3.EntryAttributes:
 class Pyfuse3Kernel:
     """What ``Operations`` asks of the session serving it, when that is pyfuse3's.
 
-    ``KernelSession`` has the same two methods: a readdir reply and an
-    attribute invalidation are all the handlers send to the kernel
-    themselves.
+    ``KernelSession`` has the same members: a readdir reply, an attribute
+    invalidation and (with passthrough) backing file registrations are all
+    the handlers send to the kernel themselves.
     """
 
     @staticmethod
