@@ -107,7 +107,8 @@ class BackendNotFound(BackendError):
 
 
 class SourceChanged(BackendError):
-    """A conditional server-side copy found its source replaced: upload the bytes instead."""
+    """A conditional read or server-side copy found its object replaced (another etag): a copy uploads the
+    bytes instead; a reader of an imported object gets ESTALE until the new version is listed."""
 
     errno = errno.ESTALE
 

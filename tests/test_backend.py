@@ -36,7 +36,7 @@ from aiturbofs._errors import (
     TransientBackendError,
 )
 from aiturbofs._limits import CHUNK_BYTES, MiB
-from aiturbofs.backend import UPLOAD_TEMP_PREFIX, Backend, NodeAttrs, _base, _s3, check_key, open_backend
+from aiturbofs.backend import UPLOAD_TEMP_PREFIX, Backend, NodeAttrs, _base, _local, _s3, check_key, open_backend
 
 P = CHUNK_BYTES
 
@@ -430,6 +430,33 @@ class BackendConformance:
 
         run(target, body)
 
+    def test_read_range_if_etag(self, target: Target):
+        old = os.urandom(1000)
+        new = os.urandom(1001)  # another size too: local etags hold the mtime (coarse) and size
+
+        async def body(b: Backend):
+            await put(b, "r", old)
+            etag = (await b.stat("r")).etag
+            assert etag is not None and [i.etag for i in await b.list_dir("") if i.key == "r"] == [etag]
+            assert await b.read_range("r", 10, 100, if_etag=etag) == old[10:110]
+            assert await b.read_range("r", 990, 100, if_etag=etag) == old[990:]  # short at EOF only
+            assert await b.read_range("r", 5000, 10, if_etag=etag) == b""
+            assert await b.read_range("r", 3, 0, if_etag=etag) == b""
+            await put(b, "r", new)  # another writer replaces it
+            for offset, length in ((10, 100), (990, 100), (1000, 1), (5000, 10), (3, 0)):
+                with pytest.raises(SourceChanged) as caught:
+                    await b.read_range("r", offset, length, if_etag=etag)
+                assert caught.value.errno == errno.ESTALE and not isinstance(caught.value, TransientBackendError)
+            assert await b.read_range("r", 10, 100, if_etag=(await b.stat("r")).etag) == new[10:110]
+            with pytest.raises(BackendNotFound):
+                await b.read_range("missing", 0, 10, if_etag=etag)
+            await b.delete("r")
+            for length in (10, 0):
+                with pytest.raises(BackendNotFound):
+                    await b.read_range("r", 0, length, if_etag=etag)
+
+        run(target, body)
+
     def test_list_dir(self, target: Target):
         async def body(b: Backend):
             await put(b, "a/b/c.bin", b"c")
@@ -747,6 +774,30 @@ class TestLocal(BackendConformance):
             allocated = os.stat(os.path.join(root, name)).st_blocks * 512
             assert allocated <= data_bytes + 64 * 1024, (name, allocated)
 
+    def test_read_range_if_etag_sees_an_in_place_write_during_the_read(self, target: Target, monkeypatch):
+        # Another tool rewrites the object in place (the same inode): the
+        # etag checked before the read still matches, the one after does not.
+        root = target.url[len("file://") :]
+        real_pread_all = _local._pread_all
+
+        def pread_racing_a_writer(fd: int, offset: int, length: int) -> bytes:
+            path = os.path.join(root, "r")
+            with open(path, "r+b") as f:
+                f.write(b"new bytes")
+            mtime_ns = os.stat(path).st_mtime_ns + 1_000_000  # a tick later, however coarse the clock
+            os.utime(path, ns=(mtime_ns, mtime_ns))
+            return real_pread_all(fd, offset, length)
+
+        async def body(b: Backend):
+            await put(b, "r", b"old bytes")
+            etag = (await b.stat("r")).etag
+            monkeypatch.setattr(_local, "_pread_all", pread_racing_a_writer)
+            with pytest.raises(SourceChanged):
+                await b.read_range("r", 0, 9, if_etag=etag)
+            assert await b.read_range("r", 0, 9) == b"new bytes"
+
+        run(target, body)
+
     def test_copy_part_uses_copy_file_range(self, target: Target, monkeypatch):
         calls = []
         real = os.copy_file_range
@@ -925,6 +976,29 @@ class TestS3(BackendConformance):
 
         run(target, body)
 
+    def test_read_range_if_etag_is_one_conditional_get(self, target: Target):
+        # IfMatch on the GetObject itself: a HEAD before the read would leave
+        # a gap in which the object could be replaced (moto honours IfMatch
+        # on ranged GETs, 412 before 416, as S3 does).
+        async def body(b: Backend):
+            real_call, real_get_body, calls, if_match = b._call, b._get_body, [], []
+
+            async def spy_call(what, method, **kwargs):
+                calls.append(method)
+                return await real_call(what, method, **kwargs)
+
+            async def spy_get_body(kwargs):
+                if_match.append(kwargs.get("IfMatch"))
+                return await real_get_body(kwargs)
+
+            etag = (await put(b, "r", b"0123456789")).etag
+            b._call, b._get_body = spy_call, spy_get_body
+            assert await b.read_range("r", 2, 3, if_etag=etag) == b"234"
+            assert await b.read_range("r", 2, 3) == b"234"
+            assert (calls, if_match) == ([], [f'"{etag}"', None])
+
+        run(target, body)
+
     def test_list_dir_pages(self, target: Target):
         async def body(b: Backend):
             b.list_page_keys = 2
@@ -1030,10 +1104,6 @@ def test_s3_connection_errors_are_transient():
 
 
 def test_local_os_errors_mapped():
-    import errno
-
-    from aiturbofs.backend import _local
-
     cases = [
         (OSError(errno.ENOSPC, "No space left on device"), TransientBackendError),
         (OSError(errno.ESTALE, "Stale file handle"), TransientBackendError),

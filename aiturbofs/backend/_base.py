@@ -613,10 +613,15 @@ class Backend(ABC):
         """Info of the object or directory ``key``, or None if neither exists."""
 
     @abstractmethod
-    async def read_range(self, key: str, offset: int, length: int) -> bytes:
+    async def read_range(self, key: str, offset: int, length: int, *, if_etag: str | None = None) -> bytes:
         """Bytes ``[offset, offset+length)`` of object ``key``; short only at EOF.
 
-        Raises ``BackendNotFound`` if the object is missing.
+        With ``if_etag``, the bytes (and where EOF falls) come only from the
+        version whose ``ObjectInfo.etag`` (as ``stat`` and ``list_dir``
+        report it) that is; if the object now has another, raises
+        ``SourceChanged``: an object another writer replaced is never read
+        as a mix of two versions.  Raises ``BackendNotFound`` if the object
+        is missing, with or without ``if_etag``.
         """
 
     async def open_upload(self, key: str, *, part_bytes: int = CHUNK_BYTES) -> Upload:

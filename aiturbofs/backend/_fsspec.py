@@ -133,11 +133,24 @@ class FsspecBackend(Backend):
         check_key(key, allow_root=True)
         return await self._run(f"stat {key!r}", self._stat_sync, key)
 
-    async def read_range(self, key: str, offset: int, length: int) -> bytes:
+    async def read_range(self, key: str, offset: int, length: int, *, if_etag: str | None = None) -> bytes:
+        """``cat_file``; with ``if_etag``, then a ``stat``.  Best effort, as
+        fsspec has no conditional read: the etag still ``if_etag`` after the
+        read means the read was of that version, unless the object was
+        replaced and put back meanwhile with an equal etag (size and mtime
+        where the filesystem keeps no content hash)."""
         check_key(key)
         if offset < 0 or length < 0:
             raise ValueError(f"read_range({key!r}, {offset}, {length}): negative")
-        return await self._run(f"read {key!r}", self._fs.cat_file, self._path(key), offset, offset + length)
+        what = f"read {key!r}"
+        data = await self._run(what, self._fs.cat_file, self._path(key), offset, offset + length)
+        if if_etag is not None:
+            info = await self.stat(key)
+            if info is None:
+                raise BackendNotFound(f"{what}: no such object (removed during the read)")
+            if info.etag != if_etag:
+                raise SourceChanged(f"{what}: the object's etag is {info.etag}, not {if_etag}")
+        return data
 
     async def _open_upload(self, key: str, part_bytes: int) -> FsspecUpload:
         fd, tmp_path = await self._run(
@@ -268,13 +281,7 @@ class FsspecUpload(Upload):
 
     async def _copy_part(self, index: int, src_key: str, offset: int, length: int, if_etag: str | None) -> None:
         what = f"copy {src_key!r}[{offset}:{offset + length}] to part {index} of {self.key!r}"
-        data = await self._backend.read_range(src_key, offset, length)
-        if if_etag is not None:
-            # Looked at after the read: unchanged now, it was unchanged then.
-            info = await self._backend.stat(src_key)
-            etag = None if info is None else info.etag
-            if etag != if_etag:
-                raise SourceChanged(f"{what}: the source's etag is {etag}, not {if_etag}")
+        data = await self._backend.read_range(src_key, offset, length, if_etag=if_etag)
         if len(data) < length:
             raise BackendError(f"{what}: the source ends at byte {offset + len(data)}")
         await self._write_part(index, data)

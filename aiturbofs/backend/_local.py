@@ -145,11 +145,15 @@ class LocalBackend(Backend):
         check_key(key, allow_root=True)
         return await self._run(f"stat {key!r}", _stat_sync, self._path(key), key)
 
-    async def read_range(self, key: str, offset: int, length: int) -> bytes:
+    async def read_range(self, key: str, offset: int, length: int, *, if_etag: str | None = None) -> bytes:
         check_key(key)
         if offset < 0 or length < 0:
             raise ValueError(f"read_range({key!r}, {offset}, {length}): negative")
-        return await self._run(f"read {key!r}", _pread_sync, self._path(key), offset, length)
+        what = f"read {key!r}"
+        data, etag = await self._run(what, _pread_sync, self._path(key), offset, length, if_etag)
+        if if_etag is not None and etag != if_etag:
+            raise SourceChanged(f"{what}: the object's etag is {etag}, not {if_etag}")
+        return data
 
     async def _open_upload(self, key: str, part_bytes: int) -> LocalUpload:
         path = self._path(key)
@@ -479,20 +483,36 @@ def _stat_sync(path: str, key: str) -> ObjectInfo | None:
         return None
 
 
-def _pread_sync(path: str, offset: int, length: int) -> bytes:
+def _pread_sync(path: str, offset: int, length: int, if_etag: str | None) -> tuple[bytes, str | None]:
+    """Up to ``length`` bytes at ``offset``, unless the file's etag is not ``if_etag`` (if given).
+
+    Returns the bytes and the etag (None without ``if_etag``): ``if_etag``
+    if the read is of that version, else the other one seen (and maybe no
+    bytes).  The etag is read from the open file, before and after the
+    read: a replace (rename) cannot change what an open fd reads, and a
+    tool writing the file in place moves its mtime before its bytes land
+    (unless within the clock tick of the file's last change).
+    """
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        pieces = []
-        while length > 0:
-            piece = os.pread(fd, length, offset)
-            if not piece:
-                break  # EOF
-            pieces.append(piece)
-            offset += len(piece)
-            length -= len(piece)
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        if if_etag is not None and (etag := _etag(os.fstat(fd))) != if_etag:
+            return b"", etag
+        data = _pread_all(fd, offset, length)
+        return data, None if if_etag is None else _etag(os.fstat(fd))
     finally:
         os.close(fd)
+
+
+def _pread_all(fd: int, offset: int, length: int) -> bytes:
+    pieces = []
+    while length > 0:
+        piece = os.pread(fd, length, offset)
+        if not piece:
+            break  # EOF
+        pieces.append(piece)
+        offset += len(piece)
+        length -= len(piece)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def _temp_name(basename: str, nonce: str) -> str:

@@ -114,7 +114,8 @@ _TRANSIENT_CODES = frozenset(
 _FULL_CODES = frozenset({"XMinioStorageFull", "StorageFull", "InsufficientStorage", "QuotaExceeded"})
 # "The thing you named is gone" (HEAD answers carry only the status: "404").
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404", "NoSuchUpload"})
-# A conditional request's condition failed: only CopySourceIfMatch is sent.
+# A conditional request's condition failed: CopySourceIfMatch on a copy,
+# IfMatch on a read.
 _CHANGED_CODES = frozenset({"PreconditionFailed", "412"})
 # Connection trouble below the HTTP layer: refused, reset, timed out, DNS.
 _TRANSIENT_EXCEPTIONS = (
@@ -289,15 +290,23 @@ class S3Backend(Backend):
         )
         return ObjectInfo(key, 0, 0, None, True) if page.get("KeyCount", 0) else None
 
-    async def read_range(self, key: str, offset: int, length: int) -> bytes:
+    async def read_range(self, key: str, offset: int, length: int, *, if_etag: str | None = None) -> bytes:
+        """One (ranged) GetObject; with ``if_etag``, conditional on the ETag
+        (``IfMatch``): the check and the bytes are one answer, and a
+        replaced object answers 412, ``SourceChanged``."""
         check_key(key)
         if offset < 0 or length < 0:
             raise ValueError(f"read_range({key!r}, {offset}, {length}): negative")
+        what = f"read {key!r}"
         if length == 0:
-            await self._stat_object(key)  # still report a missing object
+            info = await self._stat_object(key)  # still report a missing or replaced object
+            if if_etag is not None and info.etag != if_etag:
+                raise SourceChanged(f"{what}: the object's etag is {info.etag}, not {if_etag}")
             return b""
         kwargs = {"Bucket": self._bucket, "Key": self._s3_key(key), "Range": f"bytes={offset}-{offset + length - 1}"}
-        return await self._run(f"read {key!r}", self._get_body, kwargs)
+        if if_etag is not None:
+            kwargs["IfMatch"] = f'"{if_etag}"'
+        return await self._run(what, self._get_body, kwargs)
 
     async def _open_upload(self, key: str, part_bytes: int) -> S3Upload:
         if part_bytes < S3_PART_BYTES_MIN:
@@ -504,7 +513,10 @@ class S3Backend(Backend):
             response = await client.get_object(**kwargs)
         except boto_errors.ClientError as e:
             if e.response.get("Error", {}).get("Code") == "InvalidRange":
-                return b""  # the object exists and ends before the range starts
+                # The object exists and ends before the range starts; an
+                # IfMatch is judged before the range (RFC 9110 13.2.2), so
+                # it is the version asked for.
+                return b""
             raise
         async with response["Body"] as body:
             return await body.read()
