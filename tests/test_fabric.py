@@ -48,6 +48,7 @@ from aiturbofs.fabric import (
     LoopbackDevice,
     MemoryNetwork,
     MemoryTransport,
+    Named,
     RdmaTransport,
     TcpTransport,
     _loopverbs,
@@ -100,6 +101,7 @@ class Store:
 
     def __init__(self, *, delay_s: float = 0.0, hang: bool = False):
         self.chunks: dict[bytes, bytes] = {}
+        self.named: dict[bytes, Named] = {}  # chunks asked for by a name (an imported object's), with their digest
         self.delay_s = delay_s
         self.hang = hang
         self.calls = 0
@@ -117,7 +119,7 @@ class Store:
             if self.hang:
                 self.entered.set()
                 await trio.sleep_forever()
-            return self.chunks.get(key)
+            return self.named[key] if key in self.named else self.chunks.get(key)
         finally:
             self.active -= 1
 
@@ -214,6 +216,29 @@ class TransportConformance:
                 key, data = keyed(b"seven!!")
                 assert await peer.put_chunk(key, data) is False  # the handler said no
                 assert await peer.ping() >= 0
+
+        run(main)
+
+    def test_named_chunks_carry_their_digest(self, make_transport):
+        """A chunk asked for by a name comes back with the digest of its bytes, verified on arrival."""
+        async def main():
+            store = Store()
+            small, large = os.urandom(100), os.urandom(CHUNK_BYTES)  # in the frame, and the payload path
+            names = [chunk.digest(b"name of " + bytes([i])) for i in range(3)]
+            store.named[names[0]] = Named(chunk.digest(small), small)
+            store.named[names[1]] = Named(chunk.digest(large), large)
+            store.named[names[2]] = Named(chunk.digest(b"other bytes"), large)  # a digest that lies
+            async with self.serving(make_transport, store) as (_, address, _), make_transport("client", SECRET) as client:
+                peer = await client.connect(address)
+                assert await peer.get_named_chunk(names[0]) == (chunk.digest(small), small)
+                assert await peer.get_named_chunk(names[1]) == (chunk.digest(large), large)
+                with pytest.raises(IntegrityError, match="BLAKE3 mismatch"):
+                    await peer.get_named_chunk(names[2])
+                with pytest.raises(IntegrityError, match="carries key"):  # asked by content key, answered by name
+                    await peer.get_chunk(names[0])
+                assert await peer.get_named_chunk(chunk.digest(b"never named")) is None
+                assert peer.counters.corrupt_frames == 2 and peer.counters.chunks_received == 2
+                assert peer.state == "open"
 
         run(main)
 

@@ -12,6 +12,7 @@ request is read.  This layer imports only ``_limits``, ``_errors`` and
 
 from ._auth import load_secret as load_secret
 from ._base import ChunkHandler as ChunkHandler
+from ._base import Named as Named
 from ._base import Peer as Peer
 from ._base import PeerCounters as PeerCounters
 from ._base import PeerInfo as PeerInfo

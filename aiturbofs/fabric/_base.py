@@ -52,6 +52,20 @@ class PeerCounters:
     rdma_bytes: int = 0  # payload bytes (both ways, counted above too) that moved over an RDMA queue pair
 
 
+@dataclass(frozen=True)
+class Named:
+    """A named chunk's bytes and the BLAKE3 digest they hash to.
+
+    Chunks of objects imported without a manifest are asked for by a name
+    (a digest of the object's identity), not by their content's hash; the
+    node that has one answers with its digest, which travels in the reply's
+    key so the receiver verifies the bytes (``Peer.get_named_chunk``).
+    """
+
+    digest: bytes
+    data: bytes | bytearray | memoryview
+
+
 class ChunkHandler(Protocol):
     """What ``Transport.serve`` calls for the requests of authenticated peers.
 
@@ -60,10 +74,11 @@ class ChunkHandler(Protocol):
     ``RemoteError``; any other exception is a bug and ends ``serve``.
     """
 
-    async def get_chunk(self, peer: PeerInfo, key: bytes) -> bytes | bytearray | memoryview | None:
+    async def get_chunk(self, peer: PeerInfo, key: bytes) -> bytes | bytearray | memoryview | Named | None:
         """The chunk's bytes (at most CHUNK_BYTES), or None if this node does not have it.
 
-        The bytes are sent after this returns, so a buffer returned here must
+        ``key`` may be a chunk's name (see ``Named``): then answer ``Named``
+        with the digest of the bytes.  The bytes are sent after this returns, so a buffer returned here must
         not be changed or recycled afterwards (return ``bytes`` when in doubt).
         """
 
@@ -83,6 +98,11 @@ class Peer(ABC):
     @abstractmethod
     async def get_chunk(self, key: bytes, *, timeout: float = FABRIC_CALL_TIMEOUT_S) -> bytearray | None:
         """The verified bytes of chunk ``key``, or None if the peer does not have it."""
+
+    @abstractmethod
+    async def get_named_chunk(self, name: bytes, *, timeout: float = FABRIC_CALL_TIMEOUT_S) -> tuple[bytes, bytearray] | None:
+        """``(digest, bytes)`` of the chunk named ``name`` (see ``Named``), verified against the digest the
+        peer sent with them, or None if the peer does not have it."""
 
     @abstractmethod
     async def put_chunk(self, key: bytes, data, *, timeout: float = FABRIC_CALL_TIMEOUT_S) -> bool:

@@ -65,11 +65,19 @@ class StreamPeer(Peer):
 
     # --- public calls ------------------------------------------------------------------
     async def get_chunk(self, key: bytes, *, timeout: float = FABRIC_CALL_TIMEOUT_S) -> bytearray | None:
+        got = await self._get(key, timeout, named=False)
+        return None if got is None else got[1]
+
+    async def get_named_chunk(self, name: bytes, *, timeout: float = FABRIC_CALL_TIMEOUT_S) -> tuple[bytes, bytearray] | None:
+        return await self._get(name, timeout, named=True)
+
+    async def _get(self, key: bytes, timeout: float, *, named: bool) -> tuple[bytes, bytearray] | None:
+        """``(digest, bytes)`` of chunk ``key`` (named: the digest is the reply's), or None."""
         assert len(key) == HASH_BYTES, "chunk keys are 32-byte BLAKE3 digests"
         reply = await self._call(FrameType.GET_CHUNK, key, b"", timeout, {FrameType.CHUNK, FrameType.NOT_FOUND})
         if reply.type == FrameType.NOT_FOUND:
             return None
-        return await self._accept_chunk(key, reply.key, reply.body)
+        return reply.key, await self._accept_chunk(key, reply.key, reply.body, named=named)
 
     async def put_chunk(self, key: bytes, data, *, timeout: float = FABRIC_CALL_TIMEOUT_S) -> bool:
         assert len(key) == HASH_BYTES, "chunk keys are 32-byte BLAKE3 digests"
@@ -103,13 +111,14 @@ class StreamPeer(Peer):
         await trio.aclose_forcefully(self._stream)
 
     # --- machinery ---------------------------------------------------------------------
-    async def _accept_chunk(self, key: bytes, reply_key: bytes, data: bytearray) -> bytearray:
-        """``data`` if it is chunk ``key``; else counted, logged and ``IntegrityError``."""
+    async def _accept_chunk(self, key: bytes, reply_key: bytes, data: bytearray, *, named: bool = False) -> bytearray:
+        """``data`` if it is chunk ``key`` (``named``: if it hashes to the digest the reply carries);
+        else counted, logged and ``IntegrityError``."""
         what = f"chunk {key.hex()[:16]}… from {self.info.node!r} at {self.info.address}"
         try:
-            if reply_key != key:
+            if reply_key != key and not named:
                 raise IntegrityError(f"{what}: the reply carries key {reply_key.hex()[:16]}…")
-            await verify_chunk(data, key, what, self._transport._hash_limiter)
+            await verify_chunk(data, reply_key, what, self._transport._hash_limiter)
         except IntegrityError as e:
             self.counters.corrupt_frames += 1
             log.warning("fabric: dropped a corrupt chunk: %s", e)

@@ -52,23 +52,23 @@ class RdmaPeer(StreamPeer):
         """How chunk payloads move to and from this peer: "rdma", "tcp", or None (not chosen yet)."""
         return self._path
 
-    async def get_chunk(self, key: bytes, *, timeout: float = FABRIC_CALL_TIMEOUT_S) -> bytearray | None:
+    async def _get(self, key: bytes, timeout: float, *, named: bool) -> tuple[bytes, bytearray] | None:
         assert len(key) == HASH_BYTES, "chunk keys are 32-byte BLAKE3 digests"
         deadline = trio.current_time() + timeout
         if not await self._uses_rdma(deadline):
-            return await super().get_chunk(key, timeout=_left(deadline))
+            return await super()._get(key, _left(deadline), named=named)
         expected = {FrameType.CHUNK_RDMA, FrameType.CHUNK, FrameType.NOT_FOUND}
         async with self._lend(deadline) as (slot, call):
             reply = await self._call(FrameType.GET_CHUNK_RDMA, key, encode_slot(slot.index), _left(deadline), expected, call)
             if reply.type == FrameType.NOT_FOUND:
                 return None
             if reply.type == FrameType.CHUNK:  # small: it came in the frame
-                return await self._accept_chunk(key, reply.key, reply.body)
+                return reply.key, await self._accept_chunk(key, reply.key, reply.body, named=named)
             length = self._checked(decode_length, reply.body)
             data = await copy_out(slot.view[:length], self._transport._hash_limiter)
         self.counters.bytes_received += length
         self.counters.rdma_bytes += length
-        return await self._accept_chunk(key, reply.key, data)
+        return reply.key, await self._accept_chunk(key, reply.key, data, named=named)
 
     async def put_chunk(self, key: bytes, data, *, timeout: float = FABRIC_CALL_TIMEOUT_S) -> bool:
         assert len(key) == HASH_BYTES, "chunk keys are 32-byte BLAKE3 digests"

@@ -16,9 +16,9 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from .._errors import InvalidArgument, NotSupported
-from .._limits import CHUNK_BYTES, FABRIC_RDMA_PAYLOAD_BYTES_MIN, FABRIC_RDMA_PROBE_TIMEOUT_S, FABRIC_RDMA_WR_TIMEOUT_S
+from .._limits import FABRIC_RDMA_PAYLOAD_BYTES_MIN, FABRIC_RDMA_PROBE_TIMEOUT_S, FABRIC_RDMA_WR_TIMEOUT_S
 from ._rdma_wire import LentMemory, decode_offer, decode_slot, decode_slot_length, encode_endpoint, encode_length
-from ._server import ServerSession, SessionBroken
+from ._server import ServerSession, SessionBroken, named_reply
 from ._slots import Slot, copy_in, copy_out
 from ._streams import log
 from ._verbs import Op, QueuePair, VerbsError
@@ -127,11 +127,11 @@ class RdmaSession(ServerSession):
         return FrameType.ACK, b"", b""
 
     async def _get_rdma(self, key: bytes, index: int):
-        data = await self._handler.get_chunk(self._info, key)
-        if data is None:
+        got = await self._handler.get_chunk(self._info, key)
+        if got is None:
             return FrameType.NOT_FOUND, b"", b""
+        key, data = named_reply(key, got)
         length = len(data)
-        assert length <= CHUNK_BYTES, "a handler returned more than a chunk"
         if length < FABRIC_RDMA_PAYLOAD_BYTES_MIN:
             self._counters.chunks_sent += 1
             return FrameType.CHUNK, key, data

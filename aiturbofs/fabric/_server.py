@@ -15,7 +15,7 @@ import trio
 from .._errors import AiturboError, IntegrityError, InvalidArgument, NotSupported, PeerBroken
 from .._limits import CHUNK_BYTES, FABRIC_SEND_TIMEOUT_S
 from .._nursery import open_nursery
-from ._base import ChunkHandler, PeerCounters, PeerInfo
+from ._base import ChunkHandler, Named, PeerCounters, PeerInfo
 from ._streams import log, send_error, stream_errors, verify_chunk
 from ._wire import (
     EXTENSIONS,
@@ -39,6 +39,13 @@ class SessionBroken(Exception):
     Not an ``AiturboError``, so it is never sent back as that request's
     ERROR: the session ends and the client sees ``PeerBroken``.
     """
+
+
+def named_reply(key: bytes, got):
+    """The reply key and bytes of a handler's answer to a request for chunk ``key`` (``Named``: its digest)."""
+    reply_key, data = (got.digest, got.data) if isinstance(got, Named) else (key, got)
+    assert len(data) <= CHUNK_BYTES, "a handler returned more than a chunk"
+    return reply_key, data
 
 
 class ServerSession:
@@ -120,12 +127,12 @@ class ServerSession:
         raise SessionBroken(f"{self._who} sent {frame.type.name} on a connection without RDMA")
 
     async def _get(self, key: bytes):
-        data = await self._handler.get_chunk(self._info, key)
-        if data is None:
+        got = await self._handler.get_chunk(self._info, key)
+        if got is None:
             return FrameType.NOT_FOUND, b"", b""
-        assert len(data) <= CHUNK_BYTES, "a handler returned more than a chunk"
+        reply_key, data = named_reply(key, got)
         self._counters.chunks_sent += 1
-        return FrameType.CHUNK, key, data
+        return FrameType.CHUNK, reply_key, data
 
     async def _put(self, key: bytes, data: bytearray):
         what = f"chunk {key.hex()[:16]}… put by {self._who}"
