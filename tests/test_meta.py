@@ -650,6 +650,22 @@ class MetaConformance:
             await store.set_state(f.ino, "gone")
 
     @trio_test
+    async def test_set_manifest_if_only_while_the_imported_version_has_none(self, store):
+        f = await store.create(ROOT_INO, b"f", file_row(state=STATE_DURABLE, manifest=None, backend_keys=["f"],
+                                                          backend_etag="e1", size=5))
+        assert not await store.set_manifest_if(f.ino, HASH_A, etag="e0")  # another version of the object
+        assert (await store.get_inode(f.ino)).manifest is None
+        assert await store.set_manifest_if(f.ino, HASH_A, etag="e1")
+        row = await store.get_inode(f.ino)
+        assert (row.manifest, row.version, row.backend_etag) == (HASH_A, f.version, "e1")  # the version stays
+        assert not await store.set_manifest_if(f.ino, HASH_B, etag="e1")  # it has one: a second never replaces it
+        assert (await store.get_inode(f.ino)).manifest == HASH_A
+        await store.set_attrs(f.ino, manifest=None, backend_etag="e2")  # overwritten in the bucket
+        assert not await store.set_manifest_if(f.ino, HASH_A, etag="e1")  # hashes of the old bytes
+        with pytest.raises(err.NotFound):
+            await store.set_manifest_if(4242, HASH_A, etag="e1")
+
+    @trio_test
     async def test_inodes_in_states(self, store):
         rows = {}
         for name, state in [(b"s", STATE_STAGED), (b"p", STATE_PERSISTING), (b"d", STATE_DURABLE)]:

@@ -369,3 +369,29 @@ def test_a_replica_lives_in_a_backing_file_of_its_own_and_outlives_the_process(t
     assert content_key_of(path, 0, len(data)) == key
     area.sweep()  # nothing took it: removed
     assert not os.path.exists(path) and not area.found_replicas
+
+
+def test_a_clean_chunk_takes_another_key_once_its_hash_is_known(tmp_path):
+    """An imported object's chunk cached under its name moves to its content key; pinned or taken keys stay."""
+    async def main():
+        pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+        data = os.urandom(1000)
+        name, key = chunk.digest(b"name"), chunk.digest(data)
+
+        async def fetch():
+            return data
+
+        await pool.read(name, fetch)
+        async with pool.lease(name, fetch) as view:  # a lease holds the entry, whatever its key
+            assert pool.rename(name, key)
+            assert bytes(view) == data
+        assert not pool.has(name) and bytes(pool.view(key)) == data
+        assert not pool.rename(name, key)  # nothing under the old key any more
+        pinned = await _sealed(pool, 3)
+        assert not pool.rename(pinned, chunk.digest(b"elsewhere"))  # not-yet-durable data keeps its key
+        await pool.read(name, fetch)
+        assert not pool.rename(name, key)  # the content key is there already: the copy stays where it is
+        assert pool.has(name) and pool.has(key)
+        assert pool.drop_clean() > 0 and not pool.has(name) and not pool.has(key)
+
+    run(main)

@@ -297,6 +297,16 @@ class MetaStore(ABC):
         """
 
     @abstractmethod
+    async def set_manifest_if(self, ino: int, manifest: bytes, *, etag: str) -> bool:
+        """Give an object imported without a manifest its manifest, found by hashing it.
+
+        Only while the row has none and still names the object version
+        ``etag`` (no commit, no newer import since); ``False`` changes
+        nothing.  The version does not move: the bytes are the same.
+        Raises ``NotFound``.
+        """
+
+    @abstractmethod
     async def claim_owner(
         self, ino: int, version: int, expected_owner: str | None, new_owner: str | None
     ) -> bool:

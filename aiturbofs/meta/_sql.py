@@ -799,6 +799,12 @@ class SqlMetaStore(MetaStore):
         # cut, or a restart would think the only copy was the lost DRAM one.
         return await self._run(self._tx_update_if, ino, fields, expect, write=True, durable=sync)
 
+    async def set_manifest_if(self, ino: int, manifest: bytes, *, etag: str) -> bool:
+        _check_fields({"manifest": manifest})
+        expect = {"backend_etag": etag, "manifest": None}
+        # Unsynced: a lost manifest is found again by the next whole read.
+        return await self._run(self._tx_update_if, ino, {"manifest": manifest}, expect, write=True, durable=False)
+
     async def claim_owner(
         self, ino: int, version: int, expected_owner: str | None, new_owner: str | None
     ) -> bool:

@@ -455,6 +455,25 @@ class StagingPool:
             raise
         self.adopt_range(key, into, n, charge)
 
+    def rename(self, old: bytes, new: bytes) -> bool:
+        """Give the clean chunk ``old`` the key ``new`` (an imported object's chunk once its hash is recorded).
+
+        Only an unpinned, steady entry in memory with no copy under ``new``
+        moves (a lease holds the entry itself, whatever its key); False leaves
+        everything as it was (the entry stays an ordinary clean one under
+        ``old`` until it is evicted).
+        """
+        e = self._entries.get(old)
+        if (e is None or not e.resident or e.pins or e.spilled or e.volatile
+                or old in self._inflight or new in self._entries):
+            return False
+        self._evictable.pop(old, None)
+        del self._entries[old]
+        e.key = new
+        self._entries[new] = e
+        self._place(e)
+        return True
+
     def pin(self, key: bytes) -> None:
         """Add a not-yet-durable reference to a present chunk."""
         e = self._entries[key]
