@@ -235,6 +235,13 @@ CLUSTER_READ_WAIT_S = 3.0  # ... and reads of it wait this long after open() for
 READ_AHEAD_CHUNKS = 2  # a sequential reader has this many chunks after the current one fetched ahead
 PREFETCH_TASKS_MAX = 16  # read-ahead fetches in flight per daemon
 CLUSTER_CHAIN_PLAN_SKEW_S = 1.0  # a chunk asked for while our read plan is still coming: wait this long for it
+# Grouping without tags (-o autogroup): opens for reading of one version by several nodes
+AUTOGROUP_WINDOW_S = 0.5  # ... within this long of the first one's form one read round
+AUTOGROUP_BYTES_MIN = 8 * MiB  # files smaller than a chunk are read alone (a round saves them nothing)
+AUTOGROUP_JOIN_WAIT_S = 0.25  # a reader waits this long to learn whether it is first (then it reads at once)
+AUTOGROUP_CLAIMS_MAX = 4096  # versions whose first reader the controller remembers (within the window)
+OBJECT_CHUNK_HASHES_MAX = 1 << 17  # BLAKE3 of imported objects' named chunks remembered (~1 PiB of chunks)
+OBJECT_FILES_TRACKED_MAX = 4096  # imported objects being hashed chunk by chunk towards a manifest
 
 # --- metrics (Prometheus, served on loopback by default) -------------------------------
 METRICS_NODE_ADDRESS_DEFAULT = "127.0.0.1:9460"  # -o metrics: a daemon's endpoint (taken: an ephemeral port)

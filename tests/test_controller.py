@@ -21,7 +21,7 @@ import trio.testing
 
 from aiturbofs import chunk
 from aiturbofs._errors import AuthFailed, InvalidArgument, RemoteError
-from aiturbofs._limits import CHUNK_BYTES
+from aiturbofs._limits import AUTOGROUP_WINDOW_S, CHUNK_BYTES, READ_AHEAD_CHUNKS
 from aiturbofs.controller import ControllerServer, EmbeddedController, RoundKeeper
 from aiturbofs.fabric import MemoryNetwork, MemoryTransport, TcpTransport
 from aiturbofs.planner import NodeSpec
@@ -712,5 +712,40 @@ def test_read_round_head_is_a_reader_that_has_the_chunk():
         answers = await report_all(keeper, bodies)
         assert answers[0]["fetch_bytes"] == {}  # nothing from storage
         assert all(chain == ["n2", "n1"] for chain in answers[0]["chains"].values())
+
+    run(main)
+
+
+def test_autogroup_first_reader_reads_at_once_and_heads_what_it_fetched_alone():
+    """``join`` tells the first reader of a version within the window that it is first (it reads alone
+    at once); the round made of everyone's reports gives it the leading chunks it may have fetched
+    meanwhile (its S-NIC rate times the time since its join, plus read-ahead) and spreads the rest."""
+    from aiturbofs.controller._reads import AUTO_PREFIX, ReadRoundKeeper
+
+    async def main():
+        keeper = ReadRoundKeeper(FakeMeta(), members(3, snic=CHUNK_BYTES), backend_bw=10 * GB)  # one chunk/s
+        group = f"{AUTO_PREFIX}7:1:etag"
+        assert keeper.join("n2", {"group": group}) == {"first": True}
+        assert keeper.join("n2", {"group": group}) == {"first": True}  # asked again: still the first
+        assert keeper.join("n1", {"group": group}) == {"first": False}
+        assert keeper.join("n3", {"group": group}) == {"first": False}
+        with pytest.raises(InvalidArgument):
+            keeper.join("n1", {"group": "job"})  # tagged groups do not join
+        labels = [f"m{i}" for i in range(16)]
+        bodies = [body(n, labels, group=group, ino=7) for n in ("n2", "n1", "n3")]
+        for b in bodies:
+            b["op"] = "read_report"
+        start = trio.current_time()
+        answers = await report_all(keeper, bodies)
+        waited = trio.current_time() - start
+        assert AUTOGROUP_WINDOW_S <= waited < AUTOGROUP_WINDOW_S + 1, waited  # the round closed by its window
+        head_start = int(waited) + 1 + READ_AHEAD_CHUNKS  # chunks n2 may have fetched alone
+        chains = answers[0]["chains"]
+        assert all(chains[str(i)][0] == "n2" for i in range(head_start)), chains
+        fetch = answers[0]["fetch_bytes"]
+        assert sum(fetch.values()) == (16 - head_start) * CHUNK_BYTES  # the rest once each, spread
+        assert set(fetch) == {"n1", "n2", "n3"}
+        await trio.sleep(AUTOGROUP_WINDOW_S + 0.1)
+        assert keeper.join("n3", {"group": group}) == {"first": True}  # a new window, a new first reader
 
     run(main)

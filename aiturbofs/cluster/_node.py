@@ -33,6 +33,7 @@ import trio
 from .. import chunk
 from .._errors import AiturboError, AuthFailed, InvalidArgument, NotFound, PeerBroken, PeerClosed, RemoteError
 from .._limits import (
+    AUTOGROUP_JOIN_WAIT_S,
     CLUSTER_CHAIN_LINGER_S,
     CLUSTER_CHAIN_PLAN_SKEW_S,
     CLUSTER_HOLD_PENDING_S,
@@ -49,7 +50,7 @@ from .._limits import (
     PEER_UPLOAD_PART_TIMEOUT_S,
 )
 from .._nursery import open_nursery
-from ..fabric import Peer, PeerInfo, Transport, format_address, parse_address
+from ..fabric import Named, Peer, PeerInfo, Transport, format_address, parse_address
 from ..meta import NODE_ALIVE, NODE_DEAD, STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED
 from ..staging import BackingArea, Pins, content_key_of
 from ._port import CopySource, LocalSide, PersistHints, ReadRequest, Staged, StageRequest
@@ -101,6 +102,18 @@ class _PendingPlan:
     deadline: float  # reads of the file wait for it until then: CLUSTER_READ_WAIT_S after open, not per chunk
     event: trio.Event = field(default_factory=trio.Event)  # set when the answer (or its failure) is in
     skew_spent: bool = False  # a chunk request already waited CLUSTER_CHAIN_PLAN_SKEW_S for it
+    released: bool = False  # reads need not wait for it (the first reader of an autogroup round)
+    nudge: trio.Event = field(default_factory=trio.Event)  # set (and replaced) when the above change
+
+    def changed(self) -> None:
+        self.nudge.set()
+        self.nudge = trio.Event()
+
+    async def wait_for_reads(self) -> None:
+        """Until the plan is in, reads are released, or the deadline (which may move) passes."""
+        while not (self.event.is_set() or self.released) and trio.current_time() < self.deadline:
+            with trio.move_on_at(self.deadline):
+                await self.nudge.wait()
 
 
 @dataclass(frozen=True)
@@ -112,6 +125,7 @@ class _Link:
     length: int
     upstream: tuple[str, ...]  # predecessor first, back to the head
     downstream: frozenset[str]  # nodes after us: they may wait on us
+    named: bool = False  # the key is a chunk's name (an imported object's): the reply carries its digest
 
 
 class ClusterNode:
@@ -311,6 +325,13 @@ class ClusterNode:
 
     # ==================================================== fabric handler
     async def get_chunk(self, peer: PeerInfo, key: bytes):
+        data = await self._get_chunk(peer, key)
+        if data is None or self.local is None:
+            return data
+        digest = self.local.content_key(key)  # ``key`` is a chunk's name: say what its bytes hash to
+        return data if digest is None else Named(digest, data)
+
+    async def _get_chunk(self, peer: PeerInfo, key: bytes):
         view = self.pool.view(key)
         if view is not None:
             self.stats["chunks_served"] += 1
@@ -420,21 +441,24 @@ class ClusterNode:
     async def fetch(self, key: bytes, holders: list[str]) -> bytes | None:
         return await self._first_having(key, holders, "chunks_fetched")
 
-    async def _first_having(
-        self, key: bytes, names, counter: Literal["chunks_fetched", "chunks_from_chain"]
-    ) -> bytes | None:
-        """Chunk ``key`` from the first of ``names`` (live peers, in order) that has it; counted in ``stats[counter]``."""
+    async def _first_having(self, key: bytes, names, counter: Literal["chunks_fetched", "chunks_from_chain"], *,
+                            named: bool = False):
+        """Chunk ``key`` from the first of ``names`` (live peers, in order) that has it; counted in ``stats[counter]``.
+
+        ``named``: ``key`` is a chunk's name; returns ``(digest, bytes)``.
+        """
         for name in names:
             if name == self.node or name in self.dead:
                 continue
             try:
-                data = await (await self._peer(name)).get_chunk(key)
+                peer = await self._peer(name)
+                got = await (peer.get_named_chunk(key) if named else peer.get_chunk(key))
             except (*_PEER_ERRORS, AiturboError) as exc:
                 log.info("chunk %s… from %r: %s", key.hex()[:16], name, exc)
                 continue
-            if data is not None:
+            if got is not None:
                 self.stats[counter] += 1
-                return bytes(data)
+                return (got[0], bytes(got[1])) if named else bytes(got)
         return None
 
     async def upload_part(self, node: str, backend_key: str, token: str, index: int, key: bytes, length: int, holders: list[str]) -> str:
@@ -544,16 +568,35 @@ class ClusterNode:
         self._read_rounds[round_key] = None
         while len(self._read_rounds) > CLUSTER_READ_ROUNDS_KEPT:
             self._read_rounds.popitem(last=False)
-        self._read_planned.setdefault(request.ino, _PendingPlan(trio.current_time() + CLUSTER_READ_WAIT_S))
+        # An autogroup reader waits only to learn whether it is the first: the first reads at once
+        wait_s = AUTOGROUP_JOIN_WAIT_S if request.auto else CLUSTER_READ_WAIT_S
+        self._read_planned.setdefault(request.ino, _PendingPlan(trio.current_time() + wait_s))
         self._nursery.start_soon(self._read_round, request)
+
+    async def _join_auto(self, request: ReadRequest) -> None:
+        """An untagged file's read round: the first reader reads at once, later ones wait for the plan."""
+        plan = self._read_planned.get(request.ino)
+        reply = await self._ask({"op": "read_join", "node": self.node, "group": request.group},
+                                request.path, AUTOGROUP_JOIN_WAIT_S)
+        if plan is None:
+            return
+        if reply is None or reply.get("first", True):
+            plan.released = True  # alone so far (or no answer): never slower than a lone read
+        else:
+            plan.deadline = trio.current_time() + CLUSTER_READ_WAIT_S  # others read it: the plan is coming
+        plan.changed()
 
     async def _read_round(self, request: ReadRequest) -> None:
         keys = chunk.unpack_manifest(request.manifest)[: chunk.chunk_count(request.size)]
         mine: list[tuple[bytes, int, int]] = []
         try:
+            if request.auto:
+                await self._join_auto(request)
             have = [i for i, k in enumerate(keys) if k != chunk.HOLE and (self.pool.has(k) or k in self.pool.spill)]
             body = self._body("read_report", request, keys, have=have)
             reply = await self._ask(body, request.path, CLUSTER_READ_PLAN_WAIT_S)
+            if reply is not None and request.auto and int(reply.get("readers", 1)) <= 1:
+                reply = None  # read alone: no chain to serve, nothing to prefetch
             if reply is not None:
                 self.stats["read_rounds"] += 1
                 self.stats["last_read_plan"] = {k: reply.get(k) for k in ("round", "files", "readers", "unique_bytes", "fetch_bytes")}
@@ -565,7 +608,8 @@ class ClusterNode:
                         at = chain.index(self.node)
                         length = chunk.chunk_length(request.size, index)
                         self._chain[keys[index]] = _Link(
-                            request.ino, index, length, tuple(reversed(chain[:at])), frozenset(chain[at + 1 :]))
+                            request.ino, index, length, tuple(reversed(chain[:at])), frozenset(chain[at + 1 :]),
+                            request.named)
                         mine.append((keys[index], index, length))
                 except (AttributeError, IndexError, TypeError, ValueError) as exc:
                     log.error("malformed read plan for %s from the controller: %r", request.path, exc)
@@ -573,6 +617,7 @@ class ClusterNode:
             plan = self._read_planned.pop(request.ino, None)
             if plan is not None:
                 plan.event.set()
+                plan.changed()
         if not mine:
             return
         try:  # whole-file prefetch along the chains: readers then find every chunk in the pool
@@ -601,20 +646,36 @@ class ClusterNode:
             limiter.release()
 
     async def round_fetch(self, ino: int, key: bytes) -> bytes | None:
+        link = await self._upstream_link(ino, key)
+        if link is None:
+            return None
+        got = await self._first_having(key, link.upstream, "chunks_from_chain")
+        return self._from_chain(link, got, ino)
+
+    async def round_fetch_named(self, ino: int, name: bytes) -> tuple[bytes, bytes] | None:
+        link = await self._upstream_link(ino, name)
+        if link is None:
+            return None
+        got = await self._first_having(name, link.upstream, "chunks_from_chain", named=True)
+        return self._from_chain(link, got, ino)
+
+    async def _upstream_link(self, ino: int, key: bytes) -> _Link | None:
+        """Our link in the read chain of ``ino``'s chunk ``key`` if we take it from a predecessor (after
+        waiting for the round's plan as long as reads of it wait)."""
         planned = self._read_planned.get(ino)
         if planned is not None:
-            with trio.move_on_at(planned.deadline):
-                await planned.event.wait()
+            await planned.wait_for_reads()
         link = self._chain.get(key)
         if link is None or link.ino != ino or not link.upstream:
             return None  # not in a round of this file, or we are the chain's head: the usual path
-        # the predecessor; if it failed, the nodes before it
-        data = await self._first_having(key, link.upstream, "chunks_from_chain")
-        if data is not None:
-            return data
-        log.info("chunk %d of inode %d: no node up its chain (%s) had it; fetching it the usual way",
-                 link.index, ino, ", ".join(link.upstream))
-        return None
+        return link
+
+    @staticmethod
+    def _from_chain(link: _Link, got, ino: int):
+        if got is None:
+            log.info("chunk %d of inode %d: no node up its chain (%s) had it; fetching it the usual way",
+                     link.index, ino, ", ".join(link.upstream))
+        return got
 
     def _candidates(self, ino: int, avoid: set[str]) -> list[str]:
         """Live nodes in rendezvous order for ``ino`` (a stable, spread choice)."""

@@ -46,9 +46,11 @@ class ReadRequest:
     version: int
     path: str
     size: int
-    manifest: bytes
+    manifest: bytes  # the chunks' keys; ``named``: their names (an object imported without a manifest)
     group: str
     group_size: int | None
+    named: bool = False
+    auto: bool = False  # an untagged file (-o autogroup): a round of the nodes opening it within a window
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,9 @@ class ClusterPort(Protocol):
     async def round_fetch(self, ino: int, key: bytes) -> bytes | None:
         """Chunk ``key`` of ``ino`` through its read round's chain, or None (no round covers it)."""
 
+    async def round_fetch_named(self, ino: int, name: bytes) -> tuple[bytes, bytes] | None:
+        """``(digest, bytes)`` of the chunk named ``name`` through its read round's chain, or None."""
+
     def dead_nodes(self) -> set[str]:
         """Nodes the controller declared dead (their staged files need a new owner)."""
 
@@ -136,6 +141,9 @@ class LocalSide(Protocol):
     async def read_chunk(self, ino: int, index: int, key: bytes, length: int) -> bytes:
         """Chunk ``index`` of ``ino`` as a reader gets it: from the pool, else through the reader's tiers,
         kept in the file's backing file (a read round's prefetch; a chain successor waiting for it)."""
+
+    def content_key(self, name: bytes) -> bytes | None:
+        """The BLAKE3 digest of the bytes of the chunk named ``name``, if this node read it."""
 
     async def upload_for_peer(self, backend_key: str, token: str, index: int, key: bytes, length: int, holders: list[str]) -> str:
         """Send part ``index`` of another node's upload; returns its receipt."""
@@ -177,6 +185,9 @@ class SingleNode:
         pass  # no other reader to share the fetches with
 
     async def round_fetch(self, ino: int, key: bytes) -> bytes | None:
+        return None
+
+    async def round_fetch_named(self, ino: int, name: bytes) -> tuple[bytes, bytes] | None:
         return None
 
     def dead_nodes(self) -> set[str]:

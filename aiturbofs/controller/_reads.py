@@ -12,6 +12,16 @@ to its storage-NIC rate, so the fetches spread over every S-NIC — and a
 *chain*: the head, then the chunk's other readers in ring order.  Each node
 takes the chunk from its predecessor in the chain (which waits until it has
 it), so a node forwards chunk k while it receives chunk k+1.
+
+Rounds without a tag (``-o autogroup``; groups named ``auto:<ino>:<version>:<etag>``)
+are formed by the opens themselves.  Before it reports, a reader asks
+``join``: the first reader of a version within AUTOGROUP_WINDOW_S is told
+so and reads at once, never waiting for a plan (a lone reader pays one
+round trip); later ones wait for the round, which closes AUTOGROUP_WINDOW_S
+after its first report.  By then the first reader has fetched some chunks
+alone: the plan makes it the head of as many leading chunks as its storage
+NIC can have fetched since its join, plus its read-ahead, so no chunk is
+fetched twice; the rest are spread like a tagged round's.
 """
 
 from __future__ import annotations
@@ -19,8 +29,20 @@ from __future__ import annotations
 import collections
 import logging
 
-from .._limits import READ_ROUND_WAIT_MAX_S
+import trio
+
+from .._errors import InvalidArgument
+from .._limits import (
+    AUTOGROUP_CLAIMS_MAX,
+    AUTOGROUP_WINDOW_S,
+    CHUNK_BYTES,
+    GROUP_NAME_BYTES_MAX,
+    READ_AHEAD_CHUNKS,
+    READ_ROUND_WAIT_MAX_S,
+)
 from ._rounds import RoundKeeper, _Round
+
+AUTO_PREFIX = "auto:"  # the group of an untagged file's read round
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +54,35 @@ class ReadRoundKeeper(RoundKeeper):
         super().__init__(*args, **kwargs)
         self.wait_max_s = min(self.wait_max_s, READ_ROUND_WAIT_MAX_S)
         self.window_s = min(self.window_s, self.wait_max_s)
+        # autogroup: group -> (its first reader, when it joined), oldest first, within the window
+        self._first: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
+
+    def join(self, node: str, body: dict) -> dict:
+        """An untagged file opened for reading: is ``node`` its first reader within the window?"""
+        group = body.get("group")
+        if not isinstance(group, str) or not group.startswith(AUTO_PREFIX) or len(group.encode()) > GROUP_NAME_BYTES_MAX:
+            raise InvalidArgument(f"read_join: group must be an {AUTO_PREFIX}... name of at most {GROUP_NAME_BYTES_MAX} bytes")
+        now = trio.current_time()
+        while self._first and (len(self._first) > AUTOGROUP_CLAIMS_MAX
+                               or now - next(iter(self._first.values()))[1] > AUTOGROUP_WINDOW_S):
+            self._first.popitem(last=False)
+        first = self._first.get(group)
+        if first is None:
+            self._first[group] = (node, now)
+            return {"first": True}
+        return {"first": first[0] == node}
+
+    def _window(self, group: str) -> float:
+        return AUTOGROUP_WINDOW_S if group.startswith(AUTO_PREFIX) else self.window_s
+
+    def _head_start(self, rnd: _Round, members: dict) -> tuple[str, int] | None:
+        """An autogroup round's first reader and how many leading chunks it may have fetched alone."""
+        first = self._first.get(rnd.group)
+        if first is None or first[0] not in members:
+            return None
+        node, since = first
+        fetched = (trio.current_time() - since) * members[node].snic_bw / CHUNK_BYTES
+        return node, int(fetched) + 1 + READ_AHEAD_CHUNKS
 
     async def _plan(self, rnd: _Round, members: dict) -> dict[tuple[str, int], dict]:
         files = list(rnd.reports.items())
@@ -52,6 +103,13 @@ class ReadRoundKeeper(RoundKeeper):
             for index in rep.have:
                 if (key := rep.keys[index]) is not None:
                     cached[key].add(rep.node)
+        if (head_start := self._head_start(rnd, members)) is not None:
+            first, count = head_start
+            for _, rep in files:
+                if rep.node == first:
+                    for key in rep.keys[:count]:
+                        if key is not None:
+                            cached[key].add(first)  # as good as in its DRAM: it fetched them, or will
         load: collections.Counter[str] = collections.Counter()
         chains: dict[bytes, list[str]] = {}
         for key, rs in readers.items():

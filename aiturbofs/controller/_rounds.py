@@ -181,7 +181,7 @@ class RoundKeeper:
         if rnd is None:
             g = self._group(group)
             g.opened += 1
-            wait_s = self.wait_max_s if rep.group_size else self.window_s
+            wait_s = self.wait_max_s if rep.group_size else self._window(group)
             rnd = self._open[group] = _Round(group, g.opened, trio.current_time() + wait_s, rep.group_size)
         key = (node, rep.ino)
         rnd.reports[key] = rep  # the same file reported again (a retry) keeps its place
@@ -204,6 +204,10 @@ class RoundKeeper:
                 await self._close(rnd)
         await rnd.answered.wait()
         return rnd.answers.get(key) or {"error": f"round {rnd.name}: report of {node}:{rep.path} was dropped"}
+
+    def _window(self, group: str) -> float:
+        """How long a round of ``group`` without a size stays open after its first report."""
+        return self.window_s
 
     def drop_node(self, node: str) -> None:
         """Forget the reports of a dead or departed node in rounds not closed yet."""

@@ -110,7 +110,7 @@ class ControllerServer:
         op = body.get("op")
         if op == "status":
             return self.status()
-        if op not in ("join", "heartbeat", "report", "read_report", "leave"):
+        if op not in ("join", "heartbeat", "report", "read_report", "read_join", "leave"):
             raise InvalidArgument(f"unknown controller op {op!r}")
         if body.get("node") != peer.node:
             log.warning("%s from %s at %s claims to be node %r: refused", op, peer.node, peer.address, body.get("node"))
@@ -156,6 +156,11 @@ class ControllerServer:
         if name not in self.members:
             return {"error": "not joined"}
         return await self.reads.report(name, body)
+
+    async def _read_join(self, name: str, body: dict) -> dict:
+        if name not in self.members:
+            return {"error": "not joined"}
+        return self.reads.join(name, body)
 
     async def _leave(self, name: str, body: dict) -> dict:
         if name in self.nodes and self.nodes[name].state == ALIVE:

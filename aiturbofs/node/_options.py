@@ -77,6 +77,9 @@ OPTIONS = {
     "replicas": ("int", f"close() returns once every chunk is in this many nodes' DRAM (default {CLUSTER_REPLICAS_DEFAULT} in a cluster, 1 alone)"),
     "fabric_gbps": ("rate", f"this node's compute-fabric rate each way, for the round planner (default {CLUSTER_FABRIC_GBPS_DEFAULT:g})"),
     "snic_gbps": ("rate", f"this node's storage-NIC rate, for the round planner (default {CLUSTER_SNIC_GBPS_DEFAULT:g})"),
+    "autogroup": ("choice:on|off", "cluster mode: untagged files of at least a chunk (8 MiB) that several nodes open for "
+                                   "reading within half a second form a read round on their own, each chunk fetched "
+                                   "from storage once (default on; off: only user.aiturbo.group tags group reads)"),
     "metrics": ("addr", f"serve Prometheus metrics at HOST:PORT/metrics, or off (default {METRICS_NODE_ADDRESS_DEFAULT}; taken: an ephemeral loopback port, shown by aiturbo status)"),
 }
 
@@ -125,6 +128,7 @@ class NodeConfig:
     replicas: int = 1
     fabric_gbps: float = CLUSTER_FABRIC_GBPS_DEFAULT
     snic_gbps: float = CLUSTER_SNIC_GBPS_DEFAULT
+    autogroup: bool = True
     metrics: str | None = None  # HOST:PORT, "off", or None: the default port (an ephemeral one if taken)
 
     @property
@@ -241,6 +245,7 @@ def build_config(backend: str, mountpoint: str, options: dict, *, foreground: bo
     cfg.fabric_gbps = options.get("fabric_gbps", CLUSTER_FABRIC_GBPS_DEFAULT)
     cfg.snic_gbps = options.get("snic_gbps", CLUSTER_SNIC_GBPS_DEFAULT)
     cfg.metrics = options.get("metrics")
+    cfg.autogroup = options.get("autogroup", "on") == "on"
     if cfg.cluster and not cfg.secret_file:
         raise ConfigError("fabric= needs secret_file=: peers authenticate with the cluster secret")
     if not cfg.cluster:

@@ -203,7 +203,7 @@ def _check_staging_room(directory: str, dram_bytes: int) -> None:
 async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backend, pool, spill, staging, cluster) -> int:
     controller = EmbeddedController()
     vopts = VfsOptions(
-        fsync_durable=cfg.fsync_durable, sync_close=cfg.sync_close, import_ttl_s=cfg.import_ttl_s,
+        fsync_durable=cfg.fsync_durable, sync_close=cfg.sync_close, autogroup=cfg.autogroup, import_ttl_s=cfg.import_ttl_s,
         persist_retry_window_s=cfg.persist_retry_window_s, drain_timeout_s=cfg.drain_timeout_s,
         full_backend_wait_s=cfg.full_backend_wait_s,
         owner_uid=os.getuid(), owner_gid=os.getgid(),
@@ -406,6 +406,7 @@ class _Dispatcher:
                 "bytes_fetched": self.fs.fetcher.bytes_fetched, "bytes_copied": p.stats.bytes_copied,
                 "bytes_uploaded_for_peers": p.stats.bytes_uploaded_for_peers, "files_durable": p.stats.files_durable,
                 "files_broken": p.stats.files_broken, "retries": p.stats.retries, "read_retries": self.fs.fetcher.read_retries,
+                "objects_hashed": self.fs.objects.manifests_recorded,
                 "backend_full_s": p.backend_full_s(),
             },
             "groups": self.controller.summary(),

@@ -82,7 +82,7 @@ class ChunkFetcher:
         others = [h for h in row.holders if h != cluster.owner]
         return await cluster.fetch(key, others) if others else None
 
-    async def read_range(self, key: str, offset: int, length: int) -> bytes:
+    async def read_range(self, key: str, offset: int, length: int, *, if_etag: str | None = None) -> bytes:
         """``backend.read_range`` for a reader: transient errors are retried a few times.
 
         A reader blocked on a chunk gets READ_RETRY_ATTEMPTS tries, backing
@@ -98,7 +98,7 @@ class ChunkFetcher:
                                else (1, BACKEND_CHECK_TIMEOUT_S))
         try:
             with trio.fail_after(timeout_s):
-                data = await self._read_with_retries(key, offset, length, attempts)
+                data = await self._read_with_retries(key, offset, length, attempts, if_etag)
         except trio.TooSlowError:
             exc = BackendUnreachable(f"read {key!r}: no answer within {timeout_s:g} s")
             health.mark_down(str(exc))
@@ -109,11 +109,11 @@ class ChunkFetcher:
         health.mark_up()
         return data
 
-    async def _read_with_retries(self, key: str, offset: int, length: int, attempts: int) -> bytes:
+    async def _read_with_retries(self, key: str, offset: int, length: int, attempts: int, if_etag: str | None) -> bytes:
         backoff = READ_RETRY_FIRST_S
         for attempt in range(1, attempts + 1):
             try:
-                return await self.fs.backend.read_range(key, offset, length)
+                return await self.fs.backend.read_range(key, offset, length, if_etag=if_etag)
             except TransientBackendError as exc:
                 if attempt == attempts:
                     raise

@@ -43,6 +43,7 @@ from .._errors import (
     TransientBackendError,
 )
 from .._limits import (
+    AUTOGROUP_BYTES_MIN,
     CHUNK_BITS,
     CHUNK_BYTES,
     CLUSTER_STATE_POLL_S,
@@ -67,6 +68,7 @@ from ._fetch import ChunkFetcher
 from ._health import BackendHealth
 from ._importer import Importer
 from ._kernel_io import absorb, being_written, close_kernel, kernel_attrs, open_kernel, run_charger
+from ._objects import ObjectChunks, external_key, external_keys
 from ._options import VfsOptions
 
 log = logging.getLogger(__name__)
@@ -152,6 +154,7 @@ class Filesystem:
         self.fetcher = ChunkFetcher(self)
         self.persister = Persister(self)
         self.importer = Importer(self)
+        self.objects = ObjectChunks(self)
         self.health = BackendHealth(backend, on_up=self._backend_up, record_error=self.record_error)
         self.errors: list[str] = []
         self.errors_total = 0  # every record_error (the list keeps the last ERRORS_KEPT_MAX): for the metrics
@@ -734,7 +737,7 @@ class Filesystem:
         elif writable and row.manifest is None and any(s is not None and s.is_external for s in content.slots):
             await self._hash_external(node, content)
         handle = self._open_handle(node, flags)
-        if not writable and row.manifest and not content.dirty:
+        if not writable and not content.dirty:
             await self._join_read_round(node)
         keep = node.cached_version == row.version and not content.dirty
         node.cached_version = row.version
@@ -767,15 +770,33 @@ class Filesystem:
         content.absorbed = None
 
     async def _join_read_round(self, node: Inode) -> None:
-        """A grouped file opened for reading: the nodes reading it share the storage fetches."""
-        group, group_size = await self._grouping(node)
-        if group is None:
+        """A file opened for reading that other nodes may read too: the nodes reading it share the storage fetches.
+
+        A tagged file joins its group's round; an untagged one, with
+        ``-o autogroup``, a round of the nodes that open the same version
+        within AUTOGROUP_WINDOW_S.  An object imported without a manifest
+        takes part by the names of its chunks (``_objects``).
+        """
+        if not self.cluster.shared:
             return
-        row = node.row
-        assert row.manifest is not None  # see open()
+        row, content = node.row, node.content
+        if row.manifest:
+            manifest, named = row.manifest, False
+        elif row.manifest is None and row.size and content is not None and any(
+                s is not None and s.is_external for s in content.slots):
+            manifest, named = chunk.pack_manifest(external_keys(row)), True
+        else:
+            return
+        group, group_size = await self._grouping(node)
+        auto = group is None
+        if auto:
+            if not self.options.autogroup or row.size < AUTOGROUP_BYTES_MIN:
+                return
+            group = f"auto:{node.ino}:{row.version}:{row.backend_etag or ''}"
+        assert group is not None
         self.cluster.start_read(ReadRequest(
             ino=node.ino, version=row.version, path=await self._path(node.ino), size=row.size,
-            manifest=row.manifest, group=group, group_size=group_size,
+            manifest=manifest, group=group, group_size=group_size, named=named, auto=auto,
         ))
 
     async def release(self, fh: int) -> None:
@@ -1160,33 +1181,46 @@ class Filesystem:
         """A sequential reader: fetch the next chunks into the pool while it reads this one."""
         for index in range(last + 1, min(last + 1 + READ_AHEAD_CHUNKS, chunk.chunk_count(content.size))):
             slot = content.slot_at(index)
-            if slot is None or slot.key is None:
+            if slot is None or slot.is_open:
                 continue
-            key = slot.key
+            key = self._cache_key(node, index, slot)
             if key in self._prefetching or self.pool.has(key) or len(self._prefetching) >= PREFETCH_TASKS_MAX:
                 continue
             self._prefetching.add(key)
             assert self._nursery is not None  # started
-            self._nursery.start_soon(self._prefetch, node, content, index, key, chunk.chunk_length(content.size, index))
+            self._nursery.start_soon(self._prefetch, node, content, index, slot.key is None, key,
+                                     chunk.chunk_length(content.size, index))
 
     async def read_chunk(self, ino: int, index: int, key: bytes, length: int) -> bytes:
         """Chunk ``key`` (chunk ``index`` of ``ino``) for the cluster: a read round's prefetch, a chain successor.
 
         Fetched as a reader fetches it, and kept in the file's backing file
         while the file is open here with that chunk (else in a pool buffer).
+        ``key`` may be the name of an imported object's chunk (``_objects``).
         """
         node = self._inodes.get(ino)
         content = node.content if node is not None else None
         slot = content.slot_at(index) if content is not None else None
+        if (node is not None and content is not None and slot is not None and node.row.backend_etag is not None
+                and external_key(node.row, index) == key):
+            if slot.is_external:
+                named_into = self._backing(node, content).range(index)
+                return bytes(await self._read_external(node, index, length, into=named_into))
+            if slot.key is not None:
+                key = slot.key  # hashed meanwhile (``_objects.adopt``): the same bytes, under their content key
         into = self._backing(node, content).range(index) if node and content and slot and slot.key == key else None
         row = node.row if node is not None else None
         data = await self.pool.read(key, lambda: self.fetcher.chunk(ino, index, key, length, row), into=into)
         return bytes(data)
 
-    async def _prefetch(self, node: Inode, content: FileContent, index: int, key: bytes, length: int) -> None:
+    async def _prefetch(self, node: Inode, content: FileContent, index: int, named: bool, key: bytes, length: int) -> None:
         try:
             into = self._backing(node, content).range(index) if node.content is content else None
-            await self.pool.read(key, lambda: self.fetcher.chunk(node.ino, index, key, length, node.row), into=into, count=0)
+            if named:  # an imported object's chunk (``_objects``)
+                await self.pool.read(key, lambda: self.objects.fetch(node, index, length), into=into, count=0)
+            else:
+                await self.pool.read(key, lambda: self.fetcher.chunk(node.ino, index, key, length, node.row),
+                                     into=into, count=0)
         except AiturboError as exc:  # the reader will fetch (and report) it itself
             log.debug("read-ahead of inode %d chunk %d: %s", node.ino, index, exc)
         finally:
@@ -1216,34 +1250,15 @@ class Filesystem:
 
     def _cache_key(self, node: Inode, index: int, slot: Slot) -> bytes:
         """The pool key of a sealed or external slot's bytes."""
-        return slot.key if slot.key is not None else self._external_key(node, index)
-
-    @staticmethod
-    def _external_key(node: Inode, index: int) -> bytes:
-        """The pool key of chunk ``index`` of an object imported without a manifest (its name, etag and index)."""
-        keys = node.row.backend_keys
-        etag = (node.row.backend_etag or "").encode()
-        # surrogateescape: keys of non-UTF-8 names hold lone surrogates
-        key = (keys[0] if keys else "").encode("utf-8", "surrogateescape")
-        return chunk.digest(b"external\0" + key + b"\0" + etag + b"\0" + str(index).encode())
+        return slot.key if slot.key is not None else external_key(node.row, index)
 
     async def _read_external(self, node: Inode, index: int, length: int, *, into: Range | None = None,
                              start: int = 0, count: int | None = None):
-        keys = node.row.backend_keys
-        if not keys:
-            raise BrokenFile(f"inode {node.ino} has no data in the backend")
-        cache_key = self._external_key(node, index)
-
-        async def fetch() -> bytes:
-            data = await self.fetcher.read_range(keys[0], index * CHUNK_BYTES, length)
-            if len(data) != length:
-                raise BrokenFile(f"{keys[0]} is shorter than expected (changed in the backend?)")
-            return data
-
         try:
-            return await self.pool.read(cache_key, fetch, into=into, start=start, count=count)
+            return await self.pool.read(external_key(node.row, index), lambda: self.objects.fetch(node, index, length),
+                                        into=into, start=start, count=count)
         except TransientBackendError as exc:
-            self.record_error(f"read of {keys[0]} chunk {index} failed: {exc}")
+            self.record_error(f"read of {node.row.backend_keys[:1]} chunk {index} failed: {exc}")
             raise BackendUnavailable(str(exc)) from exc
 
     async def _hash_external(self, node: Inode, content: FileContent) -> None:

@@ -12,6 +12,9 @@ class VfsLocalSide(LocalSide):
     async def read_chunk(self, ino: int, index: int, key: bytes, length: int) -> bytes:
         return await self._fs.read_chunk(ino, index, key, length)
 
+    def content_key(self, name: bytes) -> bytes | None:
+        return self._fs.objects.content_key(name)
+
     async def upload_for_peer(self, backend_key: str, token: str, index: int, key: bytes, length: int, holders: list[str]) -> str:
         return await self._fs.persister.upload_for_peer(backend_key, token, index, key, length, holders)
 

@@ -15,3 +15,4 @@ class VfsOptions:
     drain_timeout_s: float = DRAIN_TIMEOUT_S_DEFAULT
     owner_uid: int = 0  # owner of objects imported from the backend
     owner_gid: int = 0
+    autogroup: bool = False  # -o autogroup: untagged files read by several nodes at once form read rounds
