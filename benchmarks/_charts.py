@@ -143,10 +143,18 @@ def _dcp_chart(path: str, title: str, rows: list[dict]) -> str:
                                     "load_s": "dcp.load from cold pools"})
 
 
+def _load_chart(path: str, title: str, rows: list[dict]) -> str:
+    """Load time of the slowest node per mode x N readers (x warm); skipped modes are left out."""
+    labelled = [{**r, "label": f"{r['mode']}\nN={r['readers']}{' warm' if r.get('phase') == 'warm' else ''}"}
+                for r in rows if "skipped" not in r]
+    return grouped_bars(path, title, labelled, label_key="label", value_keys={"load_s": "load (slowest node)"})
+
+
 # scenario -> chart(path, title, rows); scenarios not listed get grouped_bars when their rows have
 # close_s and durable_s, else no chart
 CHARTS: dict[str, Callable[[str, str, list[dict]], str]] = {
     "dp": _write_chart, "rank0": _write_chart, "sharded": _write_chart, "read": _read_chart, "dcp": _dcp_chart,
+    "load": _load_chart,
 }
 
 

@@ -1,6 +1,8 @@
 """External systems the testbed measures next to aiturbofs, on the same emulated links in the same run.
 
-Modes (each an extra write mode of the dp, rank0 and sharded scenarios):
+Modes (each an extra write mode of the dp, rank0 and sharded scenarios;
+``rclone`` and ``s3fs-fuse``, mounted read-only, are also read modes of
+the load scenario, ``_load.py``):
 
 - ``rclone``: ``rclone mount --vfs-cache-mode writes`` per writing node.
   close() returns once the file is in rclone's local disk cache; the upload
@@ -92,11 +94,16 @@ _ACTIVE_LOCK = threading.Lock()
 
 
 class PeerMounts:
-    """One peer's FUSE mounts for one round: a daemon per writing node, in that node's namespace."""
+    """One peer's FUSE mounts for one round: a daemon per node, in that node's namespace.
 
-    def __init__(self, tb, mode: str, nodes: list[int], endpoint: str, bucket: str, write_back: str):
+    ``read_only``: mounted read-only (rclone ``--read-only``, s3fs ``-o ro``),
+    for the load scenario's readers (``_load.py``).
+    """
+
+    def __init__(self, tb, mode: str, nodes: list[int], endpoint: str, bucket: str, write_back: str, *,
+                 read_only: bool = False):
         self.tb, self.mode, self.nodes = tb, mode, nodes
-        self.endpoint, self.bucket, self.write_back = endpoint, bucket, write_back
+        self.endpoint, self.bucket, self.write_back, self.read_only = endpoint, bucket, write_back, read_only
         self.dir = os.path.join(tb.root, f"peer-{mode}")
         self.points = {i: os.path.join(self.dir, f"n{i}-mnt") for i in nodes}
 
@@ -120,11 +127,11 @@ class PeerMounts:
             return ["rclone", "--config", conf, "mount", f"moto:{self.bucket}", mnt, "--vfs-cache-mode", "writes",
                     "--vfs-write-back", self.write_back, "--cache-dir", os.path.join(self.dir, f"n{i}-cache"),
                     "--dir-cache-time", "1s", "--contimeout", "10s", "--timeout", "60s", "--low-level-retries", "3",
-                    "--log-level", "INFO"]
+                    "--log-level", "INFO", *(["--read-only"] if self.read_only else [])]
         return ["s3fs", self.bucket, mnt, "-f", "-o", f"url={self.endpoint}", "-o", "use_path_request_style",
                 "-o", f"passwd_file={conf}", "-o", f"endpoint={REGION}", "-o", "connect_timeout=10",
                 "-o", "readwrite_timeout=60", "-o", "retries=3", "-o", "stat_cache_expire=1",
-                "-o", f"tmpdir={self.dir}", "-o", "dbglevel=warn"]
+                "-o", f"tmpdir={self.dir}", "-o", "dbglevel=warn", *(["-o", "ro"] if self.read_only else [])]
 
     def name(self, i: int) -> str:
         return f"{self.mode}-n{i}"

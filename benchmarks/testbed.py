@@ -3,7 +3,7 @@
 
     sudo python benchmarks/testbed.py [--nodes 4] [--fabric-mbit 2000] [--storage-mbit 250]
                                       [--backend-mbit 1000] [--size-mib 64] [--shard-mib 16]
-                                      [--scenario dp|rank0|sharded|read|kv[,...]|all] [--keep]
+                                      [--scenario dp|rank0|sharded|read|kv|dcp|load[,...]|all] [--keep]
                                       [--peers rclone,s3fs-fuse,s3fs-direct|all] [--rclone-write-back 5s]
 
 Topology (one run id per run: every namespace is ``atb-<run>-*``; all of it is
@@ -74,8 +74,20 @@ mount, with DCP's own dedup on and off, in ``sync_close``, ``plain`` and
 compares.  Reported: dcp.save of the slowest rank, time to durable, S3 bytes
 over the bytes DCP wrote, load time.
 
+Scenario ``load`` (``_load.py``): inference autoscaling.  A Hugging
+Face-style model directory (json files, --size-mib of safetensors shards of
+about --shard-mib) is put into the bucket by another client (boto3 inside
+the S3 namespace, uncounted); then N = 1 and N = nodes nodes load it at
+once, one process per node through its mount (safe_open per shard, every
+tensor checked), in ``plain`` (-o autogroup=off), ``tagged`` (the directory
+and files tagged with group.size = N) and ``autogroup`` (-o autogroup=on),
+each on a cluster of its own mount options, plus a warm second load in the
+grouped modes.  Reported: load time of the slowest node and of each, node
+0's first-byte latency, bytes S3 sent over the model's bytes, and the goals.
+
 ``--peers`` (``_peers.py``) adds external systems as write modes of dp,
-rank0 and sharded, run after the aiturbofs modes on the same links: rclone
+rank0 and sharded (and rclone and s3fs-fuse, mounted read-only, as modes of
+load), run after the aiturbofs modes on the same links: rclone
 mount with --vfs-cache-mode writes, s3fs-fuse, and a direct upload with the
 s3fs library, each in every writing node's namespace; durable is when S3
 holds every object at full size.  A PNG chart per scenario (``_charts.py``)
@@ -83,7 +95,8 @@ goes next to the results files.
 
 ``--scenario`` takes a comma list or ``all``; the write-through modes share
 one cluster mounted with -o sync_close, the ``dedup`` modes one whose
-controller runs ``--plan dedup``, everything else one with neither.  Each
+controller runs ``--plan dedup``, ``load`` its own (one per set of mount
+options), everything else one with neither.  Each
 scenario prints its own table; all go into one results file:
 benchmarks/results/testbed-<time>.{md,json}.  Must run as root.
 """
@@ -113,6 +126,7 @@ sys.path.insert(0, h.REPO)
 import _charts
 import _dcp  # noqa: E402
 import _kv  # after the repo is on the path: it imports aiturbofs._limits
+import _load
 import _peers as peers
 
 from aiturbofs.node import control_socket
@@ -270,8 +284,11 @@ class Testbed:
         self._pg("createdb", "-h", self.ctl_ip, "-p", str(PG_PORT), "-U", PG_USER, name)
         return f"postgresql://{PG_USER}@{self.ctl_ip}:{PG_PORT}/{name}"
 
-    def start_cluster(self, *, sync_close: bool, plan: str = "lp") -> None:
-        """A fresh database, the controller (``--plan plan``) and N daemons; waits until every node sees every node."""
+    def start_cluster(self, *, sync_close: bool, plan: str = "lp", options: dict | None = None) -> None:
+        """A fresh database, the controller (``--plan plan``) and N daemons; waits until every node sees every node.
+
+        ``options``: more ``-o name=value`` items for every daemon (a scenario's mode, e.g. ``autogroup``).
+        """
         a = self.args
         self.meta_url = self.new_database()
         listen = f"{self.ctl_ip}:{CONTROLLER_PORT}"
@@ -288,7 +305,7 @@ class Testbed:
                 "fabric": f"{FABRIC_NET}.{i + 1}:{FABRIC_PORT}", "transport": "tcp", "controller": listen,
                 "meta": self.meta_url, "secret_file": self.secret, "node": f"n{i}", "dram": a.dram,
                 "drain_timeout": str(DRAIN_TIMEOUT_S), "snic_gbps": f"{a.storage_mbit / 1000:g}",
-                "fabric_gbps": f"{a.fabric_mbit / 1000:g}",
+                "fabric_gbps": f"{a.fabric_mbit / 1000:g}", **(options or {}),
             }
             option_string = ",".join(f"{k}={v}" for k, v in opts.items()) + (",sync_close" if sync_close else "")
             self._spawn(f"n{i}", ["nsenter", f"--net={ns_path(ns)}", sys.executable, "-m", "aiturbofs.cli.mount",
@@ -419,7 +436,7 @@ class Testbed:
 # ============================================================== write scenarios: DP replicas, rank 0, shards
 
 GROUP, GROUP_SIZE = "user.aiturbo.group", "user.aiturbo.group.size"
-SCENARIOS = ("dp", "rank0", "sharded", "read", "kv", "dcp")  # the order they run and print in
+SCENARIOS = ("dp", "rank0", "sharded", "read", "kv", "dcp", "load")  # the order they run and print in
 WRITE_MODES = {"dp": ("sync_close", "plain", "dedup", "grouped"), "rank0": ("sync_close", "plain", "dedup", "grouped"),
                "sharded": ("plain", "dedup", "grouped")}  # in factor order: each mode adds one thing to the one before
 FACTOR_NAMES = {"sync_close": "write-through", "plain": "+DRAM buffer", "dedup": "+dedup", "grouped": "+plan"}
@@ -572,7 +589,8 @@ def scenario_read(tb: Testbed, step: int) -> list[dict]:
 # ============================================================== running the scenarios
 
 def run_scenarios(tb: Testbed, scenarios: list[str], repeat: int) -> dict[str, list[dict]]:
-    """Every selected scenario, one cluster per entry of ``CLUSTERS`` that some mode needs (see ``cluster_of``)."""
+    """Every selected scenario, one cluster per entry of ``CLUSTERS`` that some mode needs (see ``cluster_of``);
+    ``load`` starts its own (``_load.scenario_load``)."""
     results: dict[str, list[dict]] = {s: [] for s in scenarios}
     writes = [s for s in scenarios if s in WRITE_MODES]
     for sync_close, plan in CLUSTERS:
@@ -599,12 +617,17 @@ def run_scenarios(tb: Testbed, scenarios: list[str], repeat: int) -> dict[str, l
             for mode in dcp_modes:
                 results["dcp"] += _dcp.run_mode(tb, mode, step, master_ip=f"{FABRIC_NET}.1", drop_caches=drop_caches)
         tb.stop_cluster()
+    endpoint = f"http://{tb.s3_ip}:{S3_PORT}"
+    if "load" in scenarios:  # its clusters mount with each mode's options
+        results["load"] += _load.scenario_load(tb, repeat, drop_caches=drop_caches, endpoint=endpoint, bucket=BUCKET)
     for s in writes:  # the clusters ran the modes out of factor order
         results[s].sort(key=lambda r: (r["step"], WRITE_MODES[s].index(r["mode"])))
     for step in range(repeat):  # external peers (--peers) on the same links, once no aiturbofs daemon runs
         for s in writes:
-            results[s] += peers.run_modes(tb, s, tb.args.peers, step, write_layout, endpoint=f"http://{tb.s3_ip}:{S3_PORT}",
+            results[s] += peers.run_modes(tb, s, tb.args.peers, step, write_layout, endpoint=endpoint,
                                           bucket=BUCKET, write_file=write_file)
+        if "load" in scenarios:
+            results["load"] += _load.run_peers(tb, tb.args.peers, step, endpoint=endpoint, bucket=BUCKET)
     return results
 
 
@@ -711,8 +734,10 @@ def report(a: argparse.Namespace, results: dict[str, list[dict]]) -> str:
         "kv": _kv.header(a),
         "dcp": (f"dcp: PyTorch DCP save + load, {a.nodes} gloo ranks (one per emulated node), {a.size_mib} MiB "
                 f"replicated model + Adam state and a {a.shard_mib} MiB tensor per rank; {links}"),
+        "load": _load.header(a),
     }
-    tables = {"dp": write_table, "rank0": write_table, "sharded": write_table, "read": read_table, "kv": _kv.table, "dcp": _dcp.table}
+    tables = {"dp": write_table, "rank0": write_table, "sharded": write_table, "read": read_table, "kv": _kv.table,
+              "dcp": _dcp.table, "load": _load.table}
     return "\n".join(f"{headers[s]}\n\n{tables[s](runs)}" for s, runs in results.items() if runs)
 
 
@@ -724,8 +749,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--storage-mbit", type=float, default=250, help="per-node storage-link rate each way, Mbit/s (default 250)")
     ap.add_argument("--backend-mbit", type=float, default=1000,
                     help="aggregate cap of the link into the S3 namespace, Mbit/s (default 1000; moto itself tops out near 1500)")
-    ap.add_argument("--size-mib", type=int, default=64, help="model state every node writes identically (default 64)")
-    ap.add_argument("--shard-mib", type=int, default=16, help="each node's unique shard, appended to the model state (default 16)")
+    ap.add_argument("--size-mib", type=int, default=64,
+                    help="model state every node writes identically; load: the model's size (default 64)")
+    ap.add_argument("--shard-mib", type=int, default=16,
+                    help="each node's unique shard, appended to the model state; load: a safetensors shard's size (default 16)")
     ap.add_argument("--scenario", type=scenario_list, default=["dp"],
                     help=f"comma list of {', '.join(SCENARIOS)}, or all (default dp)")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each mode (medians in the ratios)")

@@ -2,8 +2,10 @@
 
 Runs the script for real, with 2 nodes, small files and high link rates so
 it is quick, and checks that it builds the namespaces, runs one tiny DP
-scenario to the end (with the s3fs-direct peer, which needs no external
-tool), and tears everything down: no namespace with the run's
+scenario (with the s3fs-direct peer, which needs no external tool) and one
+tiny model load (``load``: a model put into the bucket from outside, loaded
+by 1 and 2 nodes in each mode) to the end, and tears everything down: no
+namespace with the run's
 prefix, no mount under its directory, no registry entry left.  Skipped when
 not root, when PostgreSQL or moto is missing, or when this machine does not
 allow ``ip netns add`` (many CI containers do not).
@@ -22,7 +24,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTBED = os.path.join(REPO, "benchmarks", "testbed.py")
-SMOKE_TIMEOUT_S = 300.0  # a hang guard: the run takes ~45 s on a quiet 2-core host (3 clusters: write-through, LP, dedup)
+SMOKE_TIMEOUT_S = 300.0  # a hang guard: the run takes ~90 s on a quiet 2-core host (5 clusters: write-through, LP, dedup, 2 for load)
 
 
 def _skip_reason() -> str | None:
@@ -68,7 +70,7 @@ def test_testbed_smoke_builds_runs_and_tears_down():
     t0 = time.monotonic()
     try:
         p = subprocess.run(
-            [sys.executable, TESTBED, "--nodes", "2", "--size-mib", "8", "--shard-mib", "8",
+            [sys.executable, TESTBED, "--nodes", "2", "--scenario", "dp,load", "--size-mib", "8", "--shard-mib", "8",
              "--fabric-mbit", "4000", "--storage-mbit", "2000", "--backend-mbit", "4000",
              "--check-s", "0.5", "--peers", "s3fs-direct", "--run-id", run_id],
             capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, cwd=REPO, check=False,
@@ -82,6 +84,10 @@ def test_testbed_smoke_builds_runs_and_tears_down():
     for mode in ("sync_close", "plain", "grouped", "s3fs-direct"):
         assert f"| {mode} |" in p.stdout, out[-3000:]
     assert "vs peers (peer time / aiturbofs grouped time): close-return s3fs-direct" in p.stdout, out[-3000:]
+    for row in ("| plain | cold | 1 |", "| plain | cold | 2 |", "| tagged | cold | 2 |", "| tagged | warm | 2 |"):
+        assert row in p.stdout, out[-3000:]  # a load row: every node loaded the model and its checksums matched
+    assert "| autogroup | warm | 2 |" in p.stdout or "autogroup: not run:" in p.stdout, out[-3000:]
+    assert "- storage/model <= 1.05" in p.stdout, out[-3000:]
     assert "fabric n0->n1" in p.stdout and "backend all 2->s3" in p.stdout
     assert time.monotonic() - t0 < SMOKE_TIMEOUT_S
 
@@ -103,6 +109,7 @@ def test_testbed_scenario_flag_takes_a_list_or_all():
 
     assert testbed.parse_args([]).scenario == ["dp"]
     assert testbed.parse_args(["--scenario", "read,dp"]).scenario == ["dp", "read"]
+    assert testbed.parse_args(["--scenario", "load,kv"]).scenario == ["kv", "load"]
     assert testbed.parse_args(["--scenario", "all"]).scenario == list(testbed.SCENARIOS)
     with pytest.raises(SystemExit):
         testbed.parse_args(["--scenario", "dp,shraded"])
@@ -128,3 +135,22 @@ def test_testbed_peers_flag_and_charts(tmp_path):
     assert paths == [str(tmp_path / "run-dp.png")]
     with open(paths[0], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_load_model_is_a_sharded_safetensors_directory_and_modes_map_to_options(tmp_path):
+    """The load scenario's model: >= 2 shards, an index naming every tensor, loadable as a framework loads it;
+    each mode's mount options in one table, and a daemon without -o autogroup skips only the mode that needs it."""
+    pytest.importorskip("safetensors")
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import _load
+    import _load_reader
+
+    expected = _load.build_model(str(tmp_path), 2 << 20, 1 << 20, seed=1)
+    assert expected["shards"] >= 2 and set(_load.JSON_FILES) <= set(expected["files"])
+    sums, texts, _first_byte_s, total = _load_reader.load(str(tmp_path))
+    assert sums == expected["tensors"] and total > 1 << 20
+    assert len(_load.model_plan(64 << 20, 16 << 20)["shards"]) == 4
+    assert _load.daemon_options("plain", None) == {"autogroup": "off"}
+    assert _load.daemon_options("autogroup", None) == {"autogroup": "on"}
+    assert _load.daemon_options("tagged", "unknown mount option 'autogroup'") == {}
+    assert _load.daemon_options("autogroup", "unknown mount option 'autogroup'") is None
