@@ -563,21 +563,26 @@ def test_wrong_secret_cannot_join_or_read(make_cluster):
 # ============================================================== (g) corrupt chunk frame
 
 
-def test_corrupt_chunk_frames_are_rejected_and_refetched(make_cluster, pg_server):  # noqa: F811
-    """A relay that flips one byte in one CHUNK and one PUT_CHUNK frame sits in front of n0.
+def route_peers_through(c: Cluster, pg_server, node: str, address: str) -> None:  # noqa: F811
+    """Make the other nodes reach ``node`` at ``address`` (a relay in front of it).
 
-    Peers find n0 at the fabric address the shared metadata records for it;
-    the test points that row at the relay (n0 itself still listens where it
-    did, and nothing re-writes the row until n0 joins again).
+    Peers find a node at the fabric address the shared metadata records for
+    it; this points that row elsewhere (the node itself still listens where
+    it did, and nothing re-writes the row until it joins again).
     """
+    with pg_server.connect(c.meta_url.rpartition("/")[2]) as conn:
+        changed = conn.execute("UPDATE nodes SET address = %s WHERE name = %s", (address, node)).rowcount
+    assert changed == 1
+    time.sleep(2.5)  # members are re-read from the metadata every second
+
+
+def test_corrupt_chunk_frames_are_rejected_and_refetched(make_cluster, pg_server):  # noqa: F811
+    """A relay that flips one byte in one CHUNK and one PUT_CHUNK frame sits in front of n0."""
     c = make_cluster(node_options=NO_REIMPORT)
     prime_listings(c)
     tamper = FrameTamperer(c.nodes[0].options["fabric"])
     try:
-        with pg_server.connect(c.meta_url.rpartition("/")[2]) as conn:
-            changed = conn.execute("UPDATE nodes SET address = %s WHERE name = 'n0'", (tamper.address,)).rowcount
-        assert changed == 1
-        time.sleep(2.5)  # members are re-read from the metadata every second
+        route_peers_through(c, pg_server, "n0", tamper.address)
 
         data = os.urandom(2 * CHUNK)
         with frozen_s3(c):

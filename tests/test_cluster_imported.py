@@ -35,6 +35,7 @@ from test_cluster import (  # noqa: F401  (make_cluster is a fixture)
     make_cluster,
     read_counters,
     read_sha,
+    route_peers_through,
     sha,
 )
 
@@ -72,6 +73,19 @@ def tag(path: str, job: str, size: int | None) -> None:
         os.setxattr(path, GROUP_SIZE, str(size).encode())
 
 
+def imported(c, job: str | None, data: bytes, name: str = "hub/model.bin") -> str:
+    """``name`` PUT into the bucket by another tool, seen by every node; tagged for 3 readers unless ``job`` is None."""
+    parent = c.path(0, name.rpartition("/")[0])
+    if not os.path.isdir(parent):
+        os.mkdir(parent)
+    put_object(c, name, data)
+    wait_visible(c, range(3), name, len(data))
+    if job is not None:
+        tag(c.path(0, name), job, 3)
+        time.sleep(1.1)  # the other nodes' cached attributes and tags expire
+    return name
+
+
 def read_at_once(c, nodes, name: str) -> tuple[dict, float]:
     """Every node in ``nodes`` reads ``name`` in full, released together: ({node: (bytes, sha)}, wall s)."""
     barrier = threading.Barrier(len(nodes))
@@ -104,11 +118,7 @@ def test_imported_object_read_by_three_nodes_in_one_round(make_cluster):
     c = make_cluster(node_options={**FAST_IMPORT, "autogroup": "off"})
     data = os.urandom(OBJECT_BYTES)
     want = (len(data), sha(data))
-    os.mkdir(c.path(0, "hub"))
-    put_object(c, "hub/model.bin", data)
-    wait_visible(c, range(3), "hub/model.bin", len(data))
-    tag(c.path(0, "hub/model.bin"), "job-import", 3)
-    time.sleep(1.1)  # the other nodes' cached attributes and tags expire
+    imported(c, "job-import", data)
     before, s3_before = read_counters(c), c.s3_sent_bytes()
     got, wall_s = read_at_once(c, range(3), "hub/model.bin")
     s3_sent = c.s3_sent_bytes() - s3_before
@@ -137,16 +147,10 @@ def test_corrupt_chunk_along_an_imported_objects_chain_is_refetched(make_cluster
     c = make_cluster(node_options={**FAST_IMPORT, "autogroup": "off"})
     data = os.urandom(OBJECT_BYTES)
     want = (len(data), sha(data))
-    os.mkdir(c.path(0, "hub"))
-    put_object(c, "hub/model.bin", data)
-    wait_visible(c, range(3), "hub/model.bin", len(data))
-    tag(c.path(0, "hub/model.bin"), "job-corrupt", 3)
+    imported(c, "job-corrupt", data)
     tamper = FrameTamperer(c.nodes[0].options["fabric"])
     try:
-        with pg_server.connect(c.meta_url.rpartition("/")[2]) as conn:
-            changed = conn.execute("UPDATE nodes SET address = %s WHERE name = 'n0'", (tamper.address,)).rowcount
-        assert changed == 1
-        time.sleep(2.5)  # members are re-read from the metadata every second
+        route_peers_through(c, pg_server, "n0", tamper.address)
         got, _ = read_at_once(c, range(3), "hub/model.bin")
         for node, outcome in got.items():
             assert outcome == want, f"{node} read other bytes than the object holds"
@@ -165,11 +169,7 @@ def test_object_overwritten_between_rounds_is_never_read_mixed(make_cluster):
     every later read returns version 2 whole, or fails; never a mix of the two."""
     c = make_cluster(node_options={**FAST_IMPORT, "autogroup": "off"})
     v1, v2 = os.urandom(OBJECT_BYTES), os.urandom(OBJECT_BYTES)
-    os.mkdir(c.path(0, "hub"))
-    put_object(c, "hub/model.bin", v1)
-    wait_visible(c, range(3), "hub/model.bin", len(v1))
-    tag(c.path(0, "hub/model.bin"), "job-over", 3)
-    time.sleep(1.1)
+    imported(c, "job-over", v1)
     got, _ = read_at_once(c, range(3), "hub/model.bin")
     assert all(g == (len(v1), sha(v1)) for g in got.values()), got
     assert sum(wait_hashed(c, range(3), 1).values()) == 1
@@ -204,11 +204,8 @@ def test_autogroup_forms_a_round_without_tags(make_cluster):
     """Untagged: three nodes opening one object at once share one read round; a lone reader reads alone."""
     c = make_cluster(node_options=FAST_IMPORT)  # autogroup is on by default
     data, lone = os.urandom(OBJECT_BYTES), os.urandom(2 * CHUNK)
-    os.mkdir(c.path(0, "hub"))
-    put_object(c, "hub/model.bin", data)
-    put_object(c, "hub/lone.bin", lone)
-    wait_visible(c, range(3), "hub/model.bin", len(data))
-    wait_visible(c, [2], "hub/lone.bin", len(lone))
+    imported(c, None, data)
+    imported(c, None, lone, "hub/lone.bin")
     freed = cold_pools(c)
     before, s3_before = read_counters(c), c.s3_sent_bytes()
     got, wall_s = read_at_once(c, range(3), "hub/model.bin")
