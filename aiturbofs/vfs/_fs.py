@@ -710,6 +710,9 @@ class Filesystem:
         if node.opens == 0 and (node.content is None or not node.content.dirty):
             await self._refresh(node)  # close-to-open: see the latest commit
             content = node.content
+            if content is not None and node.row.backend_etag is not None and node.row.manifest and not content.dirty \
+                    and content.size == node.row.size and any(s is not None and s.is_external for s in content.slots):
+                self.objects.adopt(node, node.row)  # another node hashed the object this content holds by name
             # Checked again after the await: an open meanwhile may be writing.
             if self.cluster.shared and content is not None and node.opens == 0 and not content.dirty and (
                 content.size != node.row.size or content.manifest() != node.row.manifest

@@ -149,20 +149,23 @@ class ObjectChunks:
             self.adopt(node, latest)  # recorded here or by another reader of the same version
 
     def adopt(self, node: Inode, latest: InodeRow) -> None:
-        """``latest`` gave ``node``'s imported object a manifest: its slots and pool copies take the content keys."""
-        row = node.row
-        if row.manifest is not None or row.backend_etag != latest.backend_etag or row.size != latest.size:
-            return
-        assert latest.manifest is not None
+        """``latest`` gave the object version ``node`` holds a manifest: its slots and pool copies take the content keys.
+
+        Called by the node that recorded it (or found it recorded), and by
+        ``open`` on a node whose content is still the named one.
+        """
+        assert latest.manifest is not None and latest.backend_etag is not None
         keys = chunk.unpack_manifest(latest.manifest)
         pool = self.fs.pool
         content = node.content
         slots = content.slots if content is not None and not content.dirty and content.size == latest.size else []
         for i, key in enumerate(keys):
-            name = external_key(row, i)
+            name = external_key(latest, i)  # the names this version's chunks were read under
             if key != chunk.HOLE and not pool.rename(name, key) and pool.has(name) and not pool.has(key):
                 continue  # its copy could not move (a fetch of it is in flight): the slot keeps reading it by name
             slot = slots[i] if i < len(slots) else None
             if slot is not None and slot.is_external:
                 slots[i] = None if key == chunk.HOLE else Slot(key=key)
-        row.manifest = latest.manifest
+        row = node.row
+        if row.manifest is None and row.backend_etag == latest.backend_etag and row.size == latest.size:
+            row.manifest = latest.manifest
