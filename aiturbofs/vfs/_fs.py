@@ -793,7 +793,8 @@ class Filesystem:
         group, group_size = await self._grouping(node)
         auto = group is None
         if auto:
-            if not self.options.autogroup or row.size < AUTOGROUP_BYTES_MIN:
+            # A version not yet durable is in its holders' DRAM (future 0): readers take it from there at once
+            if not self.options.autogroup or row.size < AUTOGROUP_BYTES_MIN or row.state != STATE_DURABLE:
                 return
             group = f"auto:{node.ino}:{row.version}:{row.backend_etag or ''}"
         assert group is not None
