@@ -36,6 +36,7 @@ from .._limits import (
     AUTOGROUP_JOIN_WAIT_S,
     CLUSTER_CHAIN_LINGER_S,
     CLUSTER_CHAIN_PLAN_SKEW_S,
+    CLUSTER_HEAD_FETCHES_IN_FLIGHT,
     CLUSTER_HOLD_PENDING_S,
     CLUSTER_PREFETCH_IN_FLIGHT,
     CLUSTER_READ_PLAN_WAIT_S,
@@ -621,17 +622,27 @@ class ClusterNode:
         if not mine:
             return
         try:  # whole-file prefetch along the chains: readers then find every chunk in the pool
-            limiter = trio.Semaphore(CLUSTER_PREFETCH_IN_FLIGHT)
+            # The chunks this node heads come from storage, the others from a predecessor: apart, so the
+            # storage NIC stays busy while chunks wait for their turn up the chain (in one file-order
+            # window the fetches ran in batches, each waiting for the slowest chain of the batch).
+            heads = [m for m in mine if not self._chain[m[0]].upstream]
+            follows = [m for m in mine if self._chain[m[0]].upstream]
             async with open_nursery() as nursery:
-                for key, index, length in mine:
-                    await limiter.acquire()
-                    nursery.start_soon(self._prefetch, request.ino, key, index, length, limiter)
+                nursery.start_soon(self._prefetch_all, request.ino, heads, CLUSTER_HEAD_FETCHES_IN_FLIGHT)
+                nursery.start_soon(self._prefetch_all, request.ino, follows, CLUSTER_PREFETCH_IN_FLIGHT)
             await trio.sleep(CLUSTER_CHAIN_LINGER_S)  # successors may still be asking for them
         finally:
             for key, _, _ in mine:
                 link = self._chain.get(key)
                 if link is not None and link.ino == request.ino:
                     del self._chain[key]
+
+    async def _prefetch_all(self, ino: int, chunks: list[tuple[bytes, int, int]], in_flight: int) -> None:
+        limiter = trio.Semaphore(in_flight)
+        async with open_nursery() as nursery:
+            for key, index, length in chunks:
+                await limiter.acquire()
+                nursery.start_soon(self._prefetch, ino, key, index, length, limiter)
 
     async def _prefetch(self, ino: int, key: bytes, index: int, length: int, limiter) -> None:
         try:
