@@ -237,7 +237,7 @@ READ_AHEAD_CHUNKS = 2  # a sequential reader has this many chunks after the curr
 PREFETCH_TASKS_MAX = 16  # read-ahead fetches in flight per daemon
 CLUSTER_CHAIN_PLAN_SKEW_S = 1.0  # a chunk asked for while our read plan is still coming: wait this long for it
 # Grouping without tags (-o autogroup): opens for reading of one version by several nodes
-AUTOGROUP_WINDOW_S = 0.5  # ... within this long of the first one's form one read round
+AUTOGROUP_WINDOW_S = 1.0  # ... within this long of the first one's form one read round (sooner: every node joined)
 AUTOGROUP_BYTES_MIN = 8 * MiB  # files smaller than a chunk are read alone (a round saves them nothing)
 AUTOGROUP_JOIN_WAIT_S = 0.25  # a reader waits this long to learn whether it is first (then it reads at once)
 AUTOGROUP_CLAIMS_MAX = 4096  # versions whose first reader the controller remembers (within the window)

@@ -719,11 +719,12 @@ def test_read_round_head_is_a_reader_that_has_the_chunk():
 def test_autogroup_first_reader_reads_at_once_and_heads_what_it_fetched_alone():
     """``join`` tells the first reader of a version within the window that it is first (it reads alone
     at once); the round made of everyone's reports gives it the leading chunks it may have fetched
-    meanwhile (its S-NIC rate times the time since its join, plus read-ahead) and spreads the rest."""
+    meanwhile (its S-NIC rate times the time since its join, plus read-ahead) and spreads the rest.
+    The round closes after the window, or at once when every live node reported."""
     from aiturbofs.controller._reads import AUTO_PREFIX, ReadRoundKeeper
 
     async def main():
-        keeper = ReadRoundKeeper(FakeMeta(), members(3, snic=CHUNK_BYTES), backend_bw=10 * GB)  # one chunk/s
+        keeper = ReadRoundKeeper(FakeMeta(), members(4, snic=CHUNK_BYTES), backend_bw=10 * GB)  # one chunk/s
         group = f"{AUTO_PREFIX}7:1:etag"
         assert keeper.join("n2", {"group": group}) == {"first": True}
         assert keeper.join("n2", {"group": group}) == {"first": True}  # asked again: still the first
@@ -747,5 +748,12 @@ def test_autogroup_first_reader_reads_at_once_and_heads_what_it_fetched_alone():
         assert set(fetch) == {"n1", "n2", "n3"}
         await trio.sleep(AUTOGROUP_WINDOW_S + 0.1)
         assert keeper.join("n3", {"group": group}) == {"first": True}  # a new window, a new first reader
+        # every live node reads it: the round closes at once, nobody else can come
+        everyone = [body(n, labels, group=group, ino=7) for n in ("n3", "n1", "n2", "n4")]
+        for b in everyone:
+            b["op"] = "read_report"
+        start = trio.current_time()
+        answers = await report_all(keeper, everyone)
+        assert trio.current_time() - start < AUTOGROUP_WINDOW_S / 2 and answers[0]["readers"] == 4
 
     run(main)

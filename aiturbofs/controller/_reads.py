@@ -18,7 +18,7 @@ are formed by the opens themselves.  Before it reports, a reader asks
 ``join``: the first reader of a version within AUTOGROUP_WINDOW_S is told
 so and reads at once, never waiting for a plan (a lone reader pays one
 round trip); later ones wait for the round, which closes AUTOGROUP_WINDOW_S
-after its first report.  By then the first reader has fetched some chunks
+after its first report, or as soon as every live node reported.  By then the first reader has fetched some chunks
 alone: the plan makes it the head of as many leading chunks as its storage
 NIC can have fetched since its join, plus its read-ahead, so no chunk is
 fetched twice; the rest are spread like a tagged round's.
@@ -74,6 +74,11 @@ class ReadRoundKeeper(RoundKeeper):
 
     def _window(self, group: str) -> float:
         return AUTOGROUP_WINDOW_S if group.startswith(AUTO_PREFIX) else self.window_s
+
+    def _full(self, rnd: _Round) -> bool:
+        if rnd.group.startswith(AUTO_PREFIX):  # no size: every live node reads it, nobody else can join
+            return {node for node, _ in rnd.reports} >= set(self.members) or super()._full(rnd)
+        return super()._full(rnd)
 
     def _head_start(self, rnd: _Round, members: dict) -> tuple[str, int] | None:
         """An autogroup round's first reader and how many leading chunks it may have fetched alone."""

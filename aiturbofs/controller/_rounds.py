@@ -185,7 +185,7 @@ class RoundKeeper:
             rnd = self._open[group] = _Round(group, g.opened, trio.current_time() + wait_s, rep.group_size)
         key = (node, rep.ino)
         rnd.reports[key] = rep  # the same file reported again (a retry) keeps its place
-        if len(rnd.reports) >= min(rnd.size or ROUND_FILES_MAX, ROUND_FILES_MAX):
+        if self._full(rnd):
             await self._close(rnd)
         else:
             waited = False
@@ -204,6 +204,10 @@ class RoundKeeper:
                 await self._close(rnd)
         await rnd.answered.wait()
         return rnd.answers.get(key) or {"error": f"round {rnd.name}: report of {node}:{rep.path} was dropped"}
+
+    def _full(self, rnd: _Round) -> bool:
+        """Whether ``rnd`` closes now: it has its group size of files (or ROUND_FILES_MAX)."""
+        return len(rnd.reports) >= min(rnd.size or ROUND_FILES_MAX, ROUND_FILES_MAX)
 
     def _window(self, group: str) -> float:
         """How long a round of ``group`` without a size stays open after its first report."""

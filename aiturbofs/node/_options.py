@@ -78,7 +78,7 @@ OPTIONS = {
     "fabric_gbps": ("rate", f"this node's compute-fabric rate each way, for the round planner (default {CLUSTER_FABRIC_GBPS_DEFAULT:g})"),
     "snic_gbps": ("rate", f"this node's storage-NIC rate, for the round planner (default {CLUSTER_SNIC_GBPS_DEFAULT:g})"),
     "autogroup": ("choice:on|off", "cluster mode: untagged files of at least a chunk (8 MiB) that several nodes open for "
-                                   "reading within half a second form a read round on their own, each chunk fetched "
+                                   "reading within a second form a read round on their own, each chunk fetched "
                                    "from storage once (default on; off: only user.aiturbo.group tags group reads)"),
     "metrics": ("addr", f"serve Prometheus metrics at HOST:PORT/metrics, or off (default {METRICS_NODE_ADDRESS_DEFAULT}; taken: an ephemeral loopback port, shown by aiturbo status)"),
 }
