@@ -31,7 +31,7 @@ from typing import Any, Literal, TypedDict
 import trio
 
 from .. import chunk
-from .._errors import AiturboError, AuthFailed, InvalidArgument, NotFound, PeerBroken, PeerClosed, RemoteError
+from .._errors import AiturboError, AuthFailed, InvalidArgument, NotFound, PeerBroken, PeerClosed, PeerSlow, RemoteError
 from .._limits import (
     AUTOGROUP_JOIN_WAIT_S,
     CLUSTER_CHAIN_LINGER_S,
@@ -577,11 +577,17 @@ class ClusterNode:
     async def _join_auto(self, request: ReadRequest) -> None:
         """An untagged file's read round: the first reader reads at once, later ones wait for the plan."""
         plan = self._read_planned.get(request.ino)
-        reply = await self._ask({"op": "read_join", "node": self.node, "group": request.group},
-                                request.path, AUTOGROUP_JOIN_WAIT_S)
+        reply = None
+        session = self._controller  # the heartbeats' connection: the answer is immediate, no connection to open
+        if session is not None:
+            try:
+                reply = await session.control({"op": "read_join", "node": self.node, "group": request.group},
+                                              timeout=AUTOGROUP_JOIN_WAIT_S, keep_on_timeout=True)
+            except (*_PEER_ERRORS, PeerSlow) as exc:
+                log.info("read_join of %s: %s; reading alone", request.path, exc)
         if plan is None:
             return
-        if reply is None or reply.get("first", True):
+        if reply is None or reply.get("error") or reply.get("first", True):
             plan.released = True  # alone so far (or no answer): never slower than a lone read
         else:
             plan.deadline = trio.current_time() + CLUSTER_READ_WAIT_S  # others read it: the plan is coming

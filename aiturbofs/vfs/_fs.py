@@ -798,8 +798,9 @@ class Filesystem:
                 return
             group = f"auto:{node.ino}:{row.version}:{row.backend_etag or ''}"
         assert group is not None
+        path = f"<inode {node.ino}>" if auto else await self._path(node.ino)  # (a lone reader waits for no query)
         self.cluster.start_read(ReadRequest(
-            ino=node.ino, version=row.version, path=await self._path(node.ino), size=row.size,
+            ino=node.ino, version=row.version, path=path, size=row.size,
             manifest=manifest, group=group, group_size=group_size, named=named, auto=auto,
         ))
 
