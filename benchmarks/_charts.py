@@ -146,7 +146,7 @@ def _dcp_chart(path: str, title: str, rows: list[dict]) -> str:
 def _load_chart(path: str, title: str, rows: list[dict]) -> str:
     """Load time of the slowest node per mode x N readers (x warm); skipped modes are left out."""
     labelled = [{**r, "label": f"{r['mode']}\nN={r['readers']}{' warm' if r.get('phase') == 'warm' else ''}"}
-                for r in rows if "skipped" not in r]
+                for r in rows if "skipped" not in r and "load_s" in r]
     return grouped_bars(path, title, labelled, label_key="label", value_keys={"load_s": "load (slowest node)"})
 
 
