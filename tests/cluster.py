@@ -45,6 +45,7 @@ MiB = 1 << 20
 CHUNK = 8 * MiB
 CONTROLLER_START_TIMEOUT_S = 30.0
 NODE_START_TIMEOUT_S = 60.0  # two cores, four processes importing trio, s3fs, psycopg at once
+FABRIC_PORT_TRIES = 3  # a node whose fabric port another process took between free_port() and its bind
 JOIN_TIMEOUT_S = 30.0
 DRAIN_TIMEOUT_S = 30.0  # teardown: unmount + drain per node, then kill -9
 CONTROLLER_STOP_TIMEOUT_S = 10.0
@@ -335,7 +336,7 @@ class Cluster:
             self.controller.start()
             self.nodes = [self.make_node(f"n{i}", self.node_options) for i in range(self.n)]
             with ThreadPoolExecutor(self.n) as pool:
-                list(pool.map(lambda m: m.start(NODE_START_TIMEOUT_S), self.nodes))
+                list(pool.map(self._start_node, self.nodes))
             self.wait_joined()
         except BaseException:
             self.close()
@@ -361,7 +362,19 @@ class Cluster:
         """Start one more daemon (e.g. with another secret); torn down with the cluster."""
         m = self.make_node(name, {**self.node_options, **options}, secret_path=secret_path)
         self.extra.append(m)
-        return m.start(NODE_START_TIMEOUT_S)
+        return self._start_node(m)
+
+    @staticmethod
+    def _start_node(m: Mount) -> Mount:
+        """Start ``m``; a fabric port taken meanwhile (``free_port`` only says it was free) gets a fresh one."""
+        for attempt in range(FABRIC_PORT_TRIES):
+            try:
+                return m.start(NODE_START_TIMEOUT_S)
+            except RuntimeError as exc:
+                if attempt == FABRIC_PORT_TRIES - 1 or "Address already in use" not in str(exc).splitlines()[-1]:
+                    raise
+                m.options["fabric"] = f"{HOST}:{free_port()}"
+        raise AssertionError("unreachable")
 
     def live(self) -> list[int]:
         return [i for i in range(len(self.nodes)) if i not in self.killed]
