@@ -126,7 +126,6 @@ class _Link:
     length: int
     upstream: tuple[str, ...]  # predecessor first, back to the head
     downstream: frozenset[str]  # nodes after us: they may wait on us
-    named: bool = False  # the key is a chunk's name (an imported object's): the reply carries its digest
 
 
 class ClusterNode:
@@ -615,8 +614,7 @@ class ClusterNode:
                         at = chain.index(self.node)
                         length = chunk.chunk_length(request.size, index)
                         self._chain[keys[index]] = _Link(
-                            request.ino, index, length, tuple(reversed(chain[:at])), frozenset(chain[at + 1 :]),
-                            request.named)
+                            request.ino, index, length, tuple(reversed(chain[:at])), frozenset(chain[at + 1 :]))
                         mine.append((keys[index], index, length))
                 except (AttributeError, IndexError, TypeError, ValueError) as exc:
                     log.error("malformed read plan for %s from the controller: %r", request.path, exc)

@@ -46,10 +46,9 @@ class ReadRequest:
     version: int
     path: str
     size: int
-    manifest: bytes  # the chunks' keys; ``named``: their names (an object imported without a manifest)
+    manifest: bytes  # the chunks' keys; an object imported without a manifest: their names (``vfs._objects``)
     group: str
     group_size: int | None
-    named: bool = False
     auto: bool = False  # an untagged file (-o autogroup): a round of the nodes opening it within a window
 
 

@@ -11,8 +11,10 @@ file's backing file (``staging._backing``).  A slot is in one of three forms:
   spill, or only the backend); ``pinned`` says whether this slot holds one of
   the pool's not-yet-durable references: a chunk sealed since the last
   commit.  A commit hands those pins to the version's ``VersionPins``;
-* **external** — imported from the backend without a hash (``key`` None, not
-  open): read by range, never verified, hashed when first written.
+* **external** — imported from the backend without a manifest (``key`` None,
+  not open): read by its chunk's name (``_objects``), hashed when fetched;
+  the slot becomes sealed once the object's manifest is recorded (or when
+  the file is first written).
 
 A ``None`` slot is a hole: it reads as zeros.  This module is pure data: the
 Filesystem drives every transition and the pool bookkeeping.

@@ -14,8 +14,9 @@ metadata engine and hand the file to the persister (future 1).
 
 Read path: open slot -> pool (backing files, buffers, spill) -> backend
 range verified against the chunk hash, cached in the reading file's backing
-file.  Files imported from the backend without a manifest
-are read by range without verification (there is nothing to verify against).
+file.  Files imported from the backend without a manifest are read by
+the names of their chunks (``_objects``): only from the object version
+imported, hashed when fetched, and given a manifest once whole.
 """
 
 import logging
@@ -784,10 +785,10 @@ class Filesystem:
             return
         row, content = node.row, node.content
         if row.manifest:
-            manifest, named = row.manifest, False
+            manifest = row.manifest
         elif row.manifest is None and row.size and content is not None and any(
                 s is not None and s.is_external for s in content.slots):
-            manifest, named = chunk.pack_manifest(external_keys(row)), True
+            manifest = chunk.pack_manifest(external_keys(row))
         else:
             return
         group, group_size = await self._grouping(node)
@@ -801,7 +802,7 @@ class Filesystem:
         path = f"<inode {node.ino}>" if auto else await self._path(node.ino)  # (a lone reader waits for no query)
         self.cluster.start_read(ReadRequest(
             ino=node.ino, version=row.version, path=path, size=row.size,
-            manifest=manifest, group=group, group_size=group_size, named=named, auto=auto,
+            manifest=manifest, group=group, group_size=group_size, auto=auto,
         ))
 
     async def release(self, fh: int) -> None:
