@@ -47,7 +47,6 @@ import json
 import math
 import os
 import selectors
-import signal
 import subprocess
 import sys
 import time
@@ -129,20 +128,11 @@ class RankPool:
         return [got[i] for i in range(len(self.procs))]
 
     def _died(self, i: int, what: str) -> RankError:
-        p = self.procs[i]
-        try:
-            p.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
-        return RankError(f"DCP rank {i} (node n{i}) died during {what} (exit {p.returncode}); stderr:\n"
+        return RankError(f"DCP rank {i} (node n{i}) died during {what} (exit {h.reap(self.procs[i])}); stderr:\n"
                          f"{self.stderr_tail(i)}")
 
     def stderr_tail(self, i: int) -> str:
-        try:
-            with open(self.logs[i], errors="replace") as f:
-                return f.read()[-STDERR_TAIL_CHARS:]
-        except OSError:
-            return ""
+        return h.log_tail(self.logs[i], STDERR_TAIL_CHARS)
 
     def stop(self) -> None:
         """Ask every rank to exit; kill, by process group, any that does not (or any after a failure)."""
@@ -162,18 +152,7 @@ class RankPool:
             self.kill(i)
 
     def kill(self, i: int) -> None:
-        p = self.procs[i]
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
-        for f in (p.stdin, p.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
+        h.kill_group(self.procs[i])
         self.tb.procs.pop(f"dcp-r{i}", None)
 
     def kill_all(self) -> None:

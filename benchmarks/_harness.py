@@ -67,20 +67,45 @@ def _wait_mounted(path: str, proc: subprocess.Popen | None, what: str, log_path:
     deadline = time.monotonic() + MOUNT_TIMEOUT_S
     while not is_mounted(path):
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}: {_tail(log_path)}")
+            raise RuntimeError(f"{what} exited with {proc.returncode}: {log_tail(log_path)}")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not mount {path} in {MOUNT_TIMEOUT_S:.0f} s: {_tail(log_path)}")
+            raise RuntimeError(f"{what} did not mount {path} in {MOUNT_TIMEOUT_S:.0f} s: {log_tail(log_path)}")
         time.sleep(0.05)
 
 
-def _tail(path: str | None) -> str:
+def log_tail(path: str | None, chars: int = 4000) -> str:
+    """The last ``chars`` characters of a log file ("" if there is none)."""
     if not path:
         return ""
     try:
         with open(path, errors="replace") as f:
-            return f.read()[-4000:]
+            return f.read()[-chars:]
     except OSError:
         return ""
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a child started in a process group of its own (and the group), wait for it, close its pipes."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    for f in (proc.stdin, proc.stdout):
+        try:
+            if f is not None:
+                f.close()
+        except OSError:
+            pass
+
+
+def reap(proc: subprocess.Popen, timeout_s: float = 5.0) -> int | None:
+    """Give a child that died (or is dying) ``timeout_s`` to exit; its exit code, None if it still runs."""
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 class MinimalMount:

@@ -71,7 +71,6 @@ import math
 import os
 import selectors
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -321,35 +320,16 @@ class Loaders:
         return got
 
     def _died(self, i: int, step: str) -> LoadError:
-        p = self.procs[i]
-        try:
-            p.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
-        return LoadError(f"{self.what}: loader on n{i} died during the {step} (exit {p.returncode}); stderr:\n"
-                         f"{self.stderr_tail(i)}")
+        return LoadError(f"{self.what}: loader on n{i} died during the {step} (exit {h.reap(self.procs[i])}); "
+                         f"stderr:\n{self.stderr_tail(i)}")
 
     def stderr_tail(self, i: int) -> str:
-        try:
-            with open(self.logs[i], errors="replace") as f:
-                return f.read()[-STDERR_TAIL_CHARS:]
-        except OSError:
-            return ""
+        return h.log_tail(self.logs[i], STDERR_TAIL_CHARS)
 
     def close(self) -> None:
         """Kill (by process group) any loader still running; never raises."""
         for i, p in self.procs.items():
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            p.wait()
-            for f in (p.stdin, p.stdout):
-                try:
-                    f.close()
-                except OSError:
-                    pass
+            h.kill_group(p)
             self.tb.procs.pop(f"load-n{i}", None)
 
 
