@@ -732,6 +732,58 @@ def test_finished_jobs_drop_their_round_hints():
     assert p.uploads.hints == {}
 
 
+def test_a_late_deferral_leaves_the_object_another_file_moved_in(tmp_path):
+    """Two durable files swap names (RENAME_EXCHANGE) and one of them is
+    unlinked at once.  Its job had decided to wait for the other; the other,
+    no longer held back by an unlinked file, moved its object onto the old
+    name.  The waiting job then moved that object aside as if it were still
+    its own, and unlinking its file deleted the other file's only copy (the
+    random namespace test lost a file in CI this way)."""
+    from aiturbofs.backend import open_backend
+    from aiturbofs.meta import ROOT_INO, STATE_DURABLE, InodeRow, open_meta
+
+    (tmp_path / "backend").mkdir()
+
+    async def main():
+        meta = open_meta(f"sqlite://{tmp_path}/meta.db")
+        await meta.init(root_uid=0, root_gid=0, root_mode=0o755)
+        backend = await open_backend(f"file://{tmp_path}/backend")
+        inos = {}
+        for name, body in ((b"a", b"A" * 10), (b"b", b"B" * 20)):
+            (tmp_path / "backend" / name.decode()).write_bytes(body)
+            row = await meta.create(ROOT_INO, name, InodeRow(0, 0o100644, 0, 0, len(body), 1, 0, 0, 0))
+            await meta.set_state(row.ino, STATE_DURABLE, backend_keys=[name.decode()], persisted_version=row.version)
+            inos[name] = row.ino
+        a, b = inos[b"a"], inos[b"b"]
+        host = fake_fs(meta)
+        host.backend = backend
+        host.notify_state = lambda ino: None
+        p = Persister(host)
+        rec = p.reconciler
+        await meta.rename(ROOT_INO, b"a", ROOT_INO, b"b", exchange=True)
+        p.enqueue(a, moved=True)
+        p.enqueue(b, moved=True)
+        # b's job finds its new name "a" still holding a's object: it will wait.
+        p.running.add(b)
+        rec.job_started(b)
+        row_b = await meta.get_inode(b)
+        assert not await rec._relocate(row_b, ["a"])
+        # Before it defers, b is unlinked, and a's job moves a's object onto "b".
+        await meta.unlink(ROOT_INO, b"a")
+        p.running.add(a)
+        rec.job_started(a)
+        assert await rec._relocate(await meta.get_inode(a), ["b"])
+        p.running.discard(a)
+        rec.job_ended(a, again=False)
+        await rec._defer(row_b, ["a"])
+        assert (tmp_path / "backend" / "b").read_bytes() == b"A" * 10
+        assert (await meta.get_inode(a)).backend_keys == ["b"]
+        assert "b" not in (await meta.get_inode(b)).backend_keys  # its object there is gone
+        await meta.close()
+
+    trio.run(main)
+
+
 def test_directory_cleanups_are_bounded_and_deduplicated(caplog):
     """D12: every removed directory queued a backend cleanup, without bound
     while the backend hung, and the same path once per removal."""

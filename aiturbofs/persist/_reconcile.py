@@ -343,8 +343,21 @@ class Reconciler:
         async with self.ns_lock:
             keys = list((await self.meta.get_inode(row.ino)).backend_keys)
             paths = await self.meta.paths_of(row.ino)
+            replaced = []
             for i, key in enumerate(keys):
-                if key in paths or not await self._path_alive(key) or await self._holder(key, row.ino) is not None:
+                if key in paths:
+                    continue
+                owner = await self._lookup_path(key)
+                if owner is None or owner.state is None:
+                    continue
+                if key in owner.backend_keys:
+                    # Its own object is there now: ours was replaced while
+                    # nothing needed it (we were unlinked meanwhile; this job
+                    # decided to wait before that).  Moving it aside would
+                    # take that file's only copy.
+                    replaced.append(key)
+                    continue
+                if await self._holder(key, row.ino) is not None:
                     continue
                 if stat.S_ISDIR(row.mode):
                     continue  # a directory's old form holds other files' objects: it goes once they moved
@@ -359,6 +372,9 @@ class Reconciler:
                     keys[i] = aside
                     await self.meta.set_attrs(row.ino, backend_keys=keys)
                 log.info("moved %s aside to %s: another file takes that name first", key, aside)
+            if replaced:
+                keys = [k for k in keys if k not in replaced]
+                await self.meta.set_attrs(row.ino, backend_keys=keys)
         waits = self.defers[row.ino] = self.defers.get(row.ino, 0) + 1
         if waits % 50 == 0:
             log.warning("inode %d has waited %d times for other files to move out of its backend names", row.ino, waits)
@@ -541,10 +557,6 @@ class Reconciler:
             return await self.meta.get_inode(ino)
         except NotFound:
             return None
-
-    async def _path_alive(self, key: str) -> bool:
-        row = await self._lookup_path(key)
-        return row is not None and row.state is not None
 
     @asynccontextmanager
     async def _key_lock(self, key: str):
