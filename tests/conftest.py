@@ -2,7 +2,7 @@ import os
 import shutil
 
 import pytest
-from mounting import DATAPATH, STAGING_DIRS, Mount, wipe_staging
+from mounting import DATAPATH, STAGING_DIRS, TEST_LOGS, Mount, wipe_staging
 
 from aiturbofs.fuse import probe_passthrough
 
@@ -45,6 +45,31 @@ def datapath(request):
     DATAPATH[0] = chosen
     yield chosen
     DATAPATH[0] = os.environ.get("AITURBOFS_TEST_DATAPATH", "auto")
+
+
+# A failed test's report ends with the tail of each daemon log it made: CI keeps only the output.
+LOG_TAIL_LINES = 60
+LOG_TAIL_LOGS_MAX = 3
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    TEST_LOGS.clear()  # before the test's fixtures start their mounts
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed or call.when not in ("setup", "call"):
+        return
+    for path in TEST_LOGS[-LOG_TAIL_LOGS_MAX:]:
+        try:
+            with open(path, errors="replace") as f:
+                tail = f.readlines()[-LOG_TAIL_LINES:]
+        except OSError:
+            continue
+        report.sections.append((f"daemon log {path} (last {len(tail)} lines)", "".join(tail)))
 
 
 def _staging_tmpfs_mounts() -> set[str]:

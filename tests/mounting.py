@@ -26,6 +26,8 @@ def is_mounted(path: str) -> bool:
 
 # The data path mounts use unless a test asks for one: set per test by conftest's ``datapath`` fixture.
 DATAPATH = [os.environ.get("AITURBOFS_TEST_DATAPATH", "auto")]
+# The logs of the daemons the running test started (conftest shows their tails when it fails).
+TEST_LOGS: list[str] = []
 
 
 class Mount:
@@ -41,6 +43,8 @@ class Mount:
         self.staging_dir = self.options.get("staging") or default_staging_dir(state_dir)
         STAGING_DIRS.add(self.staging_dir)
         self.log_path = os.path.join(os.path.dirname(state_dir.rstrip("/")), os.path.basename(state_dir.rstrip("/")) + ".log")
+        if self.log_path not in TEST_LOGS:
+            TEST_LOGS.append(self.log_path)
 
     def option_string(self) -> str:
         return ",".join(k if v is True else f"{k}={v}" for k, v in self.options.items() if v is not False)
