@@ -784,6 +784,35 @@ def test_a_late_deferral_leaves_the_object_another_file_moved_in(tmp_path):
     trio.run(main)
 
 
+def test_a_file_queued_while_files_in_flight_wait_gets_a_spare_upload():
+    """Every upload in flight waited for a shared chunk that a file not yet
+    queued was to upload: when that file was queued, no spare upload started
+    (spares were only considered when a file began to wait), so it sat in the
+    queue until the waits ran out (CLUSTER_SOURCE_WAIT_S, 120 s; the kv burst
+    cluster test failed in CI this way)."""
+    p = Persister(fake_fs(FakeMeta(7, version=1)))
+    ran = []
+
+    async def reconcile(ino):
+        ran.append(ino)
+
+    p.reconciler.reconcile = reconcile
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            p._nursery = nursery  # no regular workers: they all wait for a source
+            p._files_wait(+1)  # a file in flight starts waiting; nothing else is queued yet
+            p.enqueue(9)  # the file that uploads the shared chunk
+            with trio.move_on_after(5):
+                while not ran:
+                    await trio.sleep(0.01)
+            p._files_wait(-1)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert ran == [9]
+
+
 def test_directory_cleanups_are_bounded_and_deduplicated(caplog):
     """D12: every removed directory queued a backend cleanup, without bound
     while the backend hung, and the same path once per removal."""

@@ -122,6 +122,7 @@ class Persister:
             self._rerun.add(ino)
         else:
             self._pending[ino] = None
+            self._start_spares()  # the files in flight may all wait for this one's copy
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self._wake()
 
@@ -221,6 +222,10 @@ class Persister:
         until the waits ran out; a spare upload takes the queued file.
         """
         self._files_waiting += delta
+        self._start_spares()
+
+    def _start_spares(self) -> None:
+        """A spare upload per file in flight that waits, while files are queued (see ``_files_wait``)."""
         while (self._nursery is not None and self._pending and self._spares < self._files_waiting
                and self._spares < PERSIST_SPARE_FILES_MAX):
             self._spares += 1
