@@ -63,7 +63,10 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if not report.failed or call.when not in ("setup", "call"):
         return
+    shown = str(report.longrepr)
     for path in TEST_LOGS[-LOG_TAIL_LOGS_MAX:]:
+        if path in shown:
+            continue  # the test's own message has that log (the cluster tests' ``logs()``)
         try:
             with open(path, errors="replace") as f:
                 tail = f.readlines()[-LOG_TAIL_LINES:]
