@@ -1190,6 +1190,29 @@ def test_random_writes_with_model(make_mount, tmp_path):
     verify_persisted(make_mount, fresh, tmp_path)
 
 
+def test_imported_object_written_before_any_read(make_mount, tmp_path):
+    """An object put into the backend by another tool (a zero chunk, a data
+    chunk, a short tail), opened for writing before anything read it: its
+    chunks are fetched and hashed for a manifest, the write lands in one of
+    them, and the rest (the zero chunk a hole) persist unchanged."""
+    model = bytearray(CHUNK) + bytearray(os.urandom(CHUNK)) + bytearray(os.urandom(1000))
+    (tmp_path / "backend").mkdir(exist_ok=True)
+    (tmp_path / "backend" / "outside.bin").write_bytes(model)
+    m = make_mount()
+    p = m.path("outside.bin")
+    fd = os.open(p, os.O_RDWR)
+    try:
+        os.pwrite(fd, b"patched", CHUNK + 5)
+        model[CHUNK + 5 : CHUNK + 12] = b"patched"
+    finally:
+        os.close(fd)
+    assert wait_state(p, "durable", timeout_s=30) == "durable"
+    assert (tmp_path / "backend" / "outside.bin").read_bytes() == model
+    aiturbo("drop-cache", m.mountpoint)
+    assert read_file(p) == model
+    verify_persisted(make_mount, m, tmp_path)
+
+
 def test_file_created_read_only_and_closed_becomes_durable(make_mount, local_backend):
     # open(O_CREAT|O_RDONLY) creates an empty file whose close() never wrote:
     # it must still be committed and persisted like any other file.

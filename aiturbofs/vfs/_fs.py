@@ -1273,7 +1273,12 @@ class Filesystem:
         for index, _slot in enumerate(content.slots):
             length = chunk.chunk_length(content.size, index)
             data = await self._read_external(node, index, length)
-            keys.append(chunk.content_key(data))  # zeros (a sparse object's holes) stay holes
+            # The read hashed the chunk if it fetched it (``_objects``): no second pass over it.
+            digest = self.objects.content_key(external_key(node.row, index))
+            if digest is None:
+                keys.append(chunk.content_key(data))  # zeros (a sparse object's holes) stay holes
+            else:
+                keys.append(chunk.HOLE if digest == chunk.zero_digest(length) else digest)
         for index, key in enumerate(keys):
             content.slots[index] = None if key == chunk.HOLE else Slot(key=key)
         manifest = chunk.pack_manifest(keys)
