@@ -813,6 +813,52 @@ def test_a_file_queued_while_files_in_flight_wait_gets_a_spare_upload():
     assert ran == [9]
 
 
+def test_a_read_finds_an_object_moved_to_a_name_it_no_longer_has(tmp_path):
+    """A file is renamed (a -> b), then its directory renamed and a link made
+    (b -> c, d) while the persister still moves its object from a to b.  A
+    reader whose chunk is not in DRAM tried the recorded key (a, just moved
+    away) and the current names (c, d, not there yet), and failed with EIO
+    (the random namespace test, under load).  Objects move and their keys
+    are recorded under the persister's ns_lock: read under it, the recorded
+    keys are where the object is."""
+    from aiturbofs.backend import open_backend
+    from aiturbofs.vfs._fetch import ChunkFetcher
+
+    (tmp_path / "backend").mkdir()
+    body = os.urandom(5000)
+    (tmp_path / "backend" / "a").write_bytes(body)
+    row = SimpleNamespace(ino=5, backend_keys=["a"], holders=[])
+
+    class Meta:
+        async def get_inode(self, ino):
+            return row
+
+        async def paths_of(self, ino):
+            return ["c", "d"]  # renamed twice more meanwhile
+
+    async def main():
+        backend = await open_backend(f"file://{tmp_path}/backend")
+        ns_lock = trio.Lock()
+        fs = SimpleNamespace(meta=Meta(), backend=backend, cluster=SingleNode(), persister=SimpleNamespace(ns_lock=ns_lock),
+                             health=SimpleNamespace(available=True, mark_up=lambda: None, mark_down=lambda why: None))
+        moved = trio.Event()
+
+        async def persister_moves():
+            async with ns_lock:
+                await backend.move("a", "b")  # the move the first rename asked for ...
+                moved.set()
+                await trio.sleep(0.2)
+                row.backend_keys = ["b"]  # ... and its keys, recorded under the same lock
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(persister_moves)
+            await moved.wait()
+            data = await ChunkFetcher(fs).chunk(5, 0, chunk.content_key(body), len(body), SimpleNamespace(**vars(row)))
+        assert data == body
+
+    trio.run(main)
+
+
 def test_directory_cleanups_are_bounded_and_deduplicated(caplog):
     """D12: every removed directory queued a backend cleanup, without bound
     while the backend hung, and the same path once per removal."""

@@ -58,15 +58,16 @@ class ChunkFetcher:
         try:
             return await self.read_verified(row.backend_keys, index, key, length)
         except IntegrityError:
-            # A rename may be moving the object right now: it lands at one of
-            # the file's current names before its keys are recorded.  Reads
+            # A rename may be moving the object right now, to a name the file
+            # may no longer have (renamed again, its directory renamed).  This
+            # node moves objects and records their keys under the persister's
+            # ns_lock: read under it, the recorded keys are where they are.
+            # Another node's moves land at one of the current names.  Reads
             # are verified, so trying those names cannot return other bytes.
-            latest = await fs.meta.get_inode(ino)
-            paths = await fs.meta.paths_of(ino)
-            again = [k for k in dict.fromkeys([*latest.backend_keys, *paths]) if k not in row.backend_keys]
-            if not again:
-                raise
-            return await self.read_verified(again, index, key, length)
+            async with fs.persister.ns_lock:
+                latest = await fs.meta.get_inode(ino)
+                paths = await fs.meta.paths_of(ino)
+                return await self.read_verified(list(dict.fromkeys([*latest.backend_keys, *paths])), index, key, length)
 
     async def previous(self, row, index: int, key: bytes, length: int) -> bytes:
         """A chunk of ``row``'s version the pool no longer has: from a peer's pool or the previous backend version."""
