@@ -43,9 +43,14 @@ def content_key(data) -> bytes:
     """
     key = digest(data)
     view = memoryview(data).cast("B")
-    if len(view) and not view[-1] and not any(view[::ZERO_SAMPLE_STRIDE_BYTES]) and key == zero_digest(len(view)):
-        return HOLE
+    if len(view) and not view[-1] and not any(view[::ZERO_SAMPLE_STRIDE_BYTES]):
+        return entry_of(key, len(view))
     return key
+
+
+def entry_of(key: bytes, length: int) -> bytes:
+    """The manifest entry of ``length`` bytes whose BLAKE3 is ``key``: ``HOLE`` if they are zeros."""
+    return HOLE if key == zero_digest(length) else key
 
 
 @functools.lru_cache(maxsize=ZERO_DIGESTS_CACHED)

@@ -1274,11 +1274,9 @@ class Filesystem:
             length = chunk.chunk_length(content.size, index)
             data = await self._read_external(node, index, length)
             # The read hashed the chunk if it fetched it (``_objects``): no second pass over it.
+            # Zeros (a sparse object's holes) stay holes.
             digest = self.objects.content_key(external_key(node.row, index))
-            if digest is None:
-                keys.append(chunk.content_key(data))  # zeros (a sparse object's holes) stay holes
-            else:
-                keys.append(chunk.HOLE if digest == chunk.zero_digest(length) else digest)
+            keys.append(chunk.content_key(data) if digest is None else chunk.entry_of(digest, length))
         for index, key in enumerate(keys):
             content.slots[index] = None if key == chunk.HOLE else Slot(key=key)
         manifest = chunk.pack_manifest(keys)

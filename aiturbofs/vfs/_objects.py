@@ -119,10 +119,7 @@ class ObjectChunks:
         if len(known) < count:
             return
         del self._files[file_key]
-        entries = []
-        for i in range(count):
-            d = known[i]
-            entries.append(chunk.HOLE if d == chunk.zero_digest(chunk.chunk_length(row.size, i)) else d)
+        entries = [chunk.entry_of(known[i], chunk.chunk_length(row.size, i)) for i in range(count)]
         # after the caller's fetch is done and its bytes are in the pool under their name, for ``adopt``
         self.fs.spawn(self._record, node, row, chunk.pack_manifest(entries))
 
