@@ -180,14 +180,14 @@ class FaultyS3Proxy:
                 if outcome == "reset":
                     raise _Reset
                 if outcome == "error":
-                    client.sendall(self._error())
+                    client.sendall(self._error(method))
                     continue
                 if upstream is None:
                     upstream = http.client.HTTPConnection(*self.target, timeout=UPSTREAM_TIMEOUT_S)
                 answer = _forward(upstream, method, target, headers, body)
                 if self.down:
                     raise _Reset  # went down while the server was working on it
-                client.sendall(self._error() if outcome == "error-after" else answer)
+                client.sendall(self._error(method) if outcome == "error-after" else answer)
         except _Reset:
             _reset(client)
         except (OSError, http.client.HTTPException, ValueError):
@@ -215,7 +215,9 @@ class FaultyS3Proxy:
         with self._lock:
             self.log.append(Request(time.monotonic(), method, target, outcome))
 
-    def _error(self) -> bytes:
+    def _error(self, method: str) -> bytes:
+        """An S3 XML error; a HEAD's has the head only (its Content-Length
+        still says how long the body would be, as S3's does)."""
         with self._lock:
             status, reason, code, message = self._random.choice(_ERRORS)
         body = (
@@ -227,7 +229,7 @@ class FaultyS3Proxy:
             f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\n"
             f"Content-Length: {len(body)}\r\nx-amz-request-id: {uuid.uuid4().hex[:16].upper()}\r\n\r\n"
         )
-        return head.encode() + body
+        return head.encode() + (b"" if method == "HEAD" else body)
 
 
 class _Reader:
