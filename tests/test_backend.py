@@ -1149,3 +1149,35 @@ def test_local_etag_changes_for_a_same_size_rewrite_within_one_mtime_tick(tmp_pa
         assert new.etag != old.etag
 
     run(Target(f"file://{tmp_path}"), body)
+
+
+@pytest.mark.parametrize("what", ["upload", "node", "move"])
+def test_local_write_below_a_parent_removed_while_it_is_made(tmp_path, monkeypatch, what):
+    # The persister removes an empty directory left where a node must go
+    # (Reconciler._place) while another job may be making that directory as
+    # the parent of its own key: makedirs made d/, the other job removed it,
+    # and the mkdir of d/sub failed with ENOENT (a file marked broken, CI).
+    real_mkdir = os.mkdir
+    raced: list[str] = []
+
+    def mkdir(path, mode=0o777, *args, **kwargs):
+        if os.fspath(path).endswith(os.sep + "sub") and not raced:
+            raced.append(os.fspath(path))
+            os.rmdir(tmp_path / "d")  # the other job's remove_dir of the empty d/
+        return real_mkdir(path, mode, *args, **kwargs)
+
+    async def body(b: Backend):
+        monkeypatch.setattr(os, "mkdir", mkdir)
+        if what == "upload":
+            await put(b, "d/sub/x", b"below")
+            assert await read_all(b, "d/sub/x") == b"below"
+        elif what == "node":
+            await b.write_node("d/sub/fifo", NodeAttrs(stat.S_IFIFO | 0o644, None, None, None, 0, None))
+            assert stat.S_ISFIFO((tmp_path / "d" / "sub" / "fifo").lstat().st_mode)
+        else:
+            (tmp_path / "top").write_bytes(b"moved")
+            await b.move("top", "d/sub/x")
+            assert await read_all(b, "d/sub/x") == b"moved"
+        assert raced, "the race was not staged"
+
+    run(Target(f"file://{tmp_path}"), body)

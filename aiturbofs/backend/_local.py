@@ -17,9 +17,9 @@ import os
 import re
 import secrets
 import stat as stat_mod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -50,6 +50,8 @@ from ._base import (
     take_options,
     timeout_option,
 )
+
+T = TypeVar("T")
 
 # A full disk, a quota or a flaky network mount heals without a config
 # change, so the persister should keep retrying; permission errors do not.
@@ -433,23 +435,22 @@ def _write_node_sync(path: str, node: NodeAttrs, root: str) -> None:
     it under a hidden name and renamed over it (atomic, like a publish)."""
     parent = os.path.dirname(path)
     kind = stat_mod.S_IFMT(node.mode)
-    for attempt in range(_DIR_RACE_TRIES):
-        _check_inside(parent, root)
-        os.makedirs(parent, exist_ok=True)
-        try:
-            if kind == stat_mod.S_IFDIR:
-                _check_inside(path, root)
-                os.makedirs(path, exist_ok=True)
-                return
-            tmp = os.path.join(parent, _temp_name(os.path.basename(path), secrets.token_hex(_TEMP_NONCE_BYTES)))
-            if kind == stat_mod.S_IFLNK:
-                os.symlink(node.target or b"", os.fsencode(tmp))
-            else:
-                os.mknod(tmp, node.mode, node.rdev)  # FIFO, socket or device; chmod below undoes the umask
-            break
-        except FileNotFoundError:
-            if attempt == _DIR_RACE_TRIES - 1:
-                raise
+
+    def make() -> str | None:
+        if kind == stat_mod.S_IFDIR:
+            _check_inside(path, root)
+            os.makedirs(path, exist_ok=True)
+            return None
+        tmp = os.path.join(parent, _temp_name(os.path.basename(path), secrets.token_hex(_TEMP_NONCE_BYTES)))
+        if kind == stat_mod.S_IFLNK:
+            os.symlink(node.target or b"", os.fsencode(tmp))
+        else:
+            os.mknod(tmp, node.mode, node.rdev)  # FIFO, socket or device; chmod below undoes the umask
+        return tmp
+
+    tmp = _in_parent(parent, root, make)
+    if tmp is None:
+        return
     try:
         if node.uid is not None and node.gid is not None:
             os.chown(tmp, node.uid, node.gid, follow_symlinks=False)
@@ -522,25 +523,38 @@ def _temp_name(basename: str, nonce: str) -> str:
     return head + os.fsdecode(tail)
 
 
-# Directories emptied by a move or delete are removed (``remove_dir``) while
-# other calls run in other threads: a parent just made may vanish before it
-# is used, so the steps that need it are tried again this many times.
+# Directories emptied by a move or delete, or found empty where a node must
+# go, are removed (``remove_dir``) while other calls run in other threads: a
+# parent just made (or one of its ancestors, between makedirs' mkdirs) may
+# vanish before it is used, so the steps that need it are tried again this
+# many times.
 _DIR_RACE_TRIES = 3
+
+
+def _in_parent(parent: str, root: str, op: Callable[[], T], again: Callable[[], bool] = lambda: True) -> T:
+    """``op()``, which makes or moves a name in ``parent``, once ``parent``
+    exists (made inside the root, never through a symlink out of it).
+
+    Tried again (``_DIR_RACE_TRIES``, and while ``again()``) when it meets
+    ENOENT: a concurrent ``remove_dir`` took the parent, or an ancestor that
+    makedirs had just made before its last mkdir.
+    """
+    for attempt in range(_DIR_RACE_TRIES):
+        _check_inside(parent, root)  # before makedirs, which would create directories out there
+        try:
+            os.makedirs(parent, exist_ok=True)
+            return op()
+        except FileNotFoundError:
+            if attempt == _DIR_RACE_TRIES - 1 or not again():
+                raise
+    raise AssertionError("unreachable")
 
 
 def _create_temp_sync(path: str, nonce: str, root: str) -> tuple[str, int]:
     parent = os.path.dirname(path)
     tmp_path = os.path.join(parent, _temp_name(os.path.basename(path), nonce))
-    for attempt in range(_DIR_RACE_TRIES):
-        _check_inside(parent, root)  # before makedirs, which would create directories out there
-        os.makedirs(parent, exist_ok=True)
-        try:
-            fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-            return tmp_path, fd
-        except FileNotFoundError:
-            if attempt == _DIR_RACE_TRIES - 1:
-                raise
-    raise AssertionError("unreachable")
+    return tmp_path, _in_parent(
+        parent, root, lambda: os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
 
 
 def _copy_range_sync(
@@ -668,15 +682,7 @@ def _fsync_dir(path: str) -> None:
 
 def _move_sync(src: str, dst: str, root: str) -> None:
     os.lstat(src)  # a missing source must not be reported as a missing target parent (a symlink moves as itself)
-    for attempt in range(_DIR_RACE_TRIES):
-        _check_inside(os.path.dirname(dst), root)
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        try:
-            os.replace(src, dst)
-            break
-        except FileNotFoundError:
-            if attempt == _DIR_RACE_TRIES - 1 or not os.path.lexists(src):
-                raise
+    _in_parent(os.path.dirname(dst), root, lambda: os.replace(src, dst), again=lambda: os.path.lexists(src))
     _fsync_dir(os.path.dirname(dst))
     if os.path.dirname(src) != os.path.dirname(dst):
         try:
