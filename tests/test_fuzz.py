@@ -260,12 +260,11 @@ class _XattrChecker:
         if len(value) > 60 * 1024 and got in (errno.E2BIG, errno.ERANGE, errno.ENOSPC):
             return  # near the kernel's request size: a refusal is fine, a wrong read-back is not
         allowed = {want, flag_err} - {None} or {None}
-        if name == STATE and os.path.isdir(path):
+        if name == STATE and flags == os.XATTR_CREATE and os.path.isdir(path):
             # A directory has a state once its backend form (or a symlink in
-            # it) is persisted, which the persister does meanwhile: either
-            # flag error is right, depending on when the set came.
-            allowed |= {errno.EEXIST if flags == os.XATTR_CREATE else errno.ENODATA if flags == os.XATTR_REPLACE
-                        else errno.EPERM}
+            # it) is persisted, which the persister does meanwhile: EEXIST is
+            # right then (for XATTR_REPLACE, ENODATA and EPERM both are already).
+            allowed.add(errno.EEXIST)
         if want == errno.EOPNOTSUPP:
             allowed |= {errno.EPERM}  # an LSM may refuse security.* first
         if name == b"security.capability":
