@@ -29,8 +29,8 @@ import contextlib
 import ctypes
 import errno
 import logging
-import mmap
 import os
+import threading
 from typing import Any
 
 from .. import chunk
@@ -91,36 +91,43 @@ def is_hole(fd: int, offset: int, length: int) -> bool:
         raise
 
 
+_hash_buffers = threading.local()  # one chunk-sized buffer per hashing thread, reused
+
+
 def content_key_of(path: str, offset: int, length: int) -> bytes:
     """``chunk.content_key`` of ``length`` bytes of ``path`` from ``offset`` (for a worker thread).
 
-    Hashed from a read-only map of the file (no copy) where the range is all
-    data; a range with holes is read with ``pread`` instead: a tmpfs fills
-    the holes a map reads with new pages (on a small tmpfs: SIGBUS).  It
+    The bytes are read with ``pread`` into a buffer of the thread's own and
+    hashed there, never through a map of the file: another task may punch
+    or cut the range meanwhile, and a map's reads of a punched range fault
+    fresh pages into it (memory the pool never counted; SIGBUS on a full
+    tmpfs), where ``pread`` of a hole reads zeros without allocating.  It
     opens the file itself (the trio thread may close its descriptor
     meanwhile); a file shorter than the range is hashed as if padded with
-    zeros.
+    zeros.  What it returns is the key of the bytes it read, whatever
+    changed after: callers that need the bytes to still be those re-check
+    (the pool hashes a volatile range's copy at every read).
     """
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         have = max(0, min(length, os.fstat(fd).st_size - offset))
         if not have or is_hole(fd, offset, have):
             return chunk.HOLE  # all zeros
+        buf = getattr(_hash_buffers, "buf", None)
+        if buf is None or len(buf) < length:
+            buf = _hash_buffers.buf = bytearray(max(length, CHUNK_BYTES))
+        view = memoryview(buf)
         try:
-            whole = os.lseek(fd, offset, os.SEEK_HOLE) >= offset + have
-        except OSError:
-            whole = False
-        if not whole:
-            data = os.pread(fd, have, offset)
-            return chunk.content_key(data + bytes(length - len(data)))
-        with mmap.mmap(fd, have, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=offset) as m:
-            view = memoryview(m)
-            try:
-                if have == length:
-                    return chunk.content_key(view)
-                return chunk.content_key(bytes(view) + bytes(length - have))
-            finally:
-                view.release()
+            done = 0
+            while done < have:
+                n = os.preadv(fd, [view[done:have]], offset + done)
+                if n <= 0:
+                    break  # cut meanwhile: the rest reads as zeros
+                done += n
+            view[done:length] = bytes(length - done)
+            return chunk.content_key(view[:length])
+        finally:
+            view.release()
     finally:
         os.close(fd)
 
@@ -170,20 +177,10 @@ class Range:
         self.ensure_length(CHUNK_BYTES)
 
     def ensure_length(self, length: int) -> None:
-        """Make the file reach ``length`` bytes into the range (a hole if it did not), so a map of it is whole."""
+        """Make the file reach ``length`` bytes into the range (a hole if it did not)."""
         fd = self.file.fd()
         if os.fstat(fd).st_size < self.offset + length:
             os.ftruncate(fd, self.offset + length)
-
-    def map(self, length: int) -> mmap.mmap:
-        """The first ``length`` bytes as a read-only map: a view without a copy (for a lease).
-
-        The caller has made sure the file reaches that far (``ensure_length``);
-        backing files never shrink, so the map never faults past the end.
-        A punched hole reads as zeros: leases keep the pool from punching.
-        """
-        return mmap.mmap(self.file.fd(), length, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                         prot=mmap.PROT_READ, offset=self.offset)
 
     def punch(self, start: int = 0) -> None:
         """Drop the bytes from ``start`` to the end of the chunk."""
