@@ -5,10 +5,18 @@ elsewhere must not hard-code sizes, counts or timeouts: it imports them from
 here so a reader can see every limit of the system on one screen.
 """
 
+import os
+
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 TiB = 1024 * GiB
+
+# --- checks -------------------------------------------------------------------
+# AITURBOFS_CHECK_INVARIANTS=1 (the tests set it): the staging pool hashes every chunk it hands
+# out of a backing file's range, not only those the kernel may be writing, and a sealed range
+# whose bytes changed is an AssertionError (the request fails with EIO, the log says "BUG").
+CHECK_INVARIANTS = os.environ.get("AITURBOFS_CHECK_INVARIANTS", "") not in ("", "0")
 
 # --- chunks -----------------------------------------------------------------
 CHUNK_BITS = 23

@@ -1,13 +1,16 @@
 import os
 import shutil
 
-import pytest
-from mounting import DATAPATH, STAGING_DIRS, TEST_LOGS, Mount, wipe_staging
-
-from aiturbofs.fuse import probe_passthrough
-
+# Before aiturbofs is imported: the pool in this process, and the daemons the tests start, check the
+# staging invariant at every hand-out (aiturbofs._limits.CHECK_INVARIANTS).
+os.environ.setdefault("AITURBOFS_CHECK_INVARIANTS", "1")
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+
+import pytest  # noqa: E402
+from mounting import DATAPATH, STAGING_DIRS, TEST_LOGS, Mount, wipe_staging  # noqa: E402
+
+from aiturbofs.fuse import probe_passthrough  # noqa: E402
 
 
 def pytest_configure(config):
@@ -20,7 +23,8 @@ def pytest_configure(config):
 # where this host has it) and pyfuse3.  The rest (cluster, faults, outages, recovery, backends: the
 # layers below the FUSE edge) run once, on the default data path (AITURBOFS_TEST_DATAPATH, else auto).
 BOTH_DATAPATHS = {"test_posix", "test_clients", "test_reads", "test_sparse", "test_security", "test_races",
-                  "test_durability", "test_fuzz", "test_model", "test_staging"}
+                  "test_durability", "test_fuzz", "test_model", "test_staging",
+                  "test_integrity"}
 KERNEL_DATAPATH = "passthrough" if os.geteuid() == 0 and probe_passthrough().available else "kernel"
 
 

@@ -28,7 +28,7 @@ coroutine for chunks it does not hold.  It runs on the trio thread only.
 import collections
 import logging
 from collections.abc import Awaitable, Callable
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal, overload
 
@@ -36,7 +36,7 @@ import trio
 
 from .. import chunk
 from .._errors import NoSpace
-from .._limits import CHUNK_BYTES, FREE_BUFFERS_KEPT_MAX, SMALL_BUFFER_BYTES, SPILL_WAIT_S
+from .._limits import CHECK_INVARIANTS, CHUNK_BYTES, FREE_BUFFERS_KEPT_MAX, SMALL_BUFFER_BYTES, SPILL_WAIT_S
 from ._backing import Range
 from ._spill import SpillStore
 
@@ -241,6 +241,7 @@ class StagingPool:
         e = self._entries.get(key)
         if e is not None and e.volatile:
             self._leave_volatile(e)
+            e = self._entries.get(key)  # gone if nothing pinned it (a durable chunk the kernel may change)
         if e is None:
             e = self._entries[key] = Entry(key, buf, length)
         elif e.buf is None:
@@ -264,6 +265,7 @@ class StagingPool:
         e = self._entries.get(key)
         if e is not None and e.volatile:
             self._leave_volatile(e)  # a copy the kernel may change: this range is the chunk now
+            e = self._entries.get(key)  # gone if nothing pinned it (a durable chunk the kernel may change)
         if e is not None and not e.leases and (e.buf is not None or _unused(e.rng)):
             # The chunk's bytes arrive in a file's range while its copy is a buffer, or a range of a
             # file nobody uses any more (a cache of a removed file): the file's own range is where it
@@ -283,7 +285,7 @@ class StagingPool:
                 self._punch(rng)
             self.unreserve(charge)
         else:
-            rng.ensure_length(length)  # leases map it
+            rng.ensure_length(length)  # (its file reaches the chunk's end: the kernel serves it whole)
             if e is None:
                 e = self._entries[key] = Entry(key, None, length)
             e.rng, e.length, e.charge = rng, length, charge
@@ -326,15 +328,41 @@ class StagingPool:
         self.unreserve(self.disown_range(e.rng))  # that range's bytes are its file's, uncounted, until it closes
 
     def trusted(self, e: Entry) -> bool:
-        """Whether ``e``'s bytes may be read: a volatile entry is hashed again first (and let go if changed)."""
+        """Whether ``e``'s bytes are still its key's where they are (a volatile entry is hashed again; let go
+        if changed).  Only a hint for the range's own file: bytes handed to anyone else come from ``_copy``."""
         if not e.volatile or e.rng is None:
             return True
-        if chunk.content_key(e.rng.pread(0, e.length)) == e.key:
-            return True
+        return self._range_copy(e) is not None
+
+    def _copy(self, e: Entry):
+        """The bytes of resident entry ``e`` for a reader elsewhere, or None if they are not its key's any more.
+
+        The one place the staging invariant is enforced (docs/design.md, "Staging"): a buffer
+        entry's bytes are lent as they are (the caller holds a lease while it keeps them); a range's
+        are copied with ``pread`` on this thread, never mapped (a map of a range that another task
+        punches reads fresh pages, or raises SIGBUS on a full tmpfs), and a *volatile* range (its file
+        open for the kernel to write) is hashed in that copy: what is handed out under a key is what
+        hashes to it, whatever the kernel writes at the same moment.
+        """
+        if e.buf is not None:
+            return memoryview(e.buf)[: e.length]
+        return self._range_copy(e)
+
+    def _range_copy(self, e: Entry) -> bytes | None:
+        assert e.rng is not None
+        data = e.rng.pread(0, e.length)
+        if not e.volatile and not CHECK_INVARIANTS:
+            return data
+        if chunk.content_key(data) == e.key:
+            return data
+        if not e.volatile:
+            # a sealed range changed in place: the invariant is broken (a test runs with the check on)
+            raise AssertionError(f"staging invariant: chunk {e.key.hex()[:16]} in {e.rng.file.path} range "
+                                 f"{e.rng.index} changed after it was sealed")
         log.info("chunk %s changed in %s by a passthrough writer: no longer served from there",
                  e.key.hex()[:16], e.rng.file.path)
         self.unreserve(self.disown_range(e.rng))
-        return False
+        return None
 
     def unsteady(self, rng: Range) -> None:
         """``rng``'s file is open for the kernel to write: its entry there is volatile until ``steady``."""
@@ -396,7 +424,11 @@ class StagingPool:
                 if rng.entry is not e or e.leases:
                     self.release(buf)
                     continue
-                buf[: e.length] = rng.pread(0, e.length)
+                data = self._range_copy(e)
+                if data is None:  # the kernel changed it meanwhile: nothing of it to keep
+                    self.release(buf)
+                    continue
+                buf[: e.length] = data
                 e.buf = buf
             charge, e.charge = e.charge, (len(e.buf) if e.buf is not None else 0)
             e.rng = rng.entry = None
@@ -571,10 +603,12 @@ class StagingPool:
 
     async def _spill_entry(self, e: Entry) -> bool:
         assert e.resident  # only entries in memory are spilled
+        view = self._copy(e)
+        if view is None:
+            return False  # the kernel changed it (a volatile entry is not spilled; checked anyway)
         e.leases += 1
         try:
-            with self._mapped(e) as view:
-                await self.spill.write(e.key, view)
+            await self.spill.write(e.key, view)
         except OSError as exc:
             if not self._spill_failed_logged:
                 log.warning("spill to %s failed (%s); writers wait for persist instead", self.spill.directory, exc)
@@ -619,11 +653,18 @@ class StagingPool:
     def view(self, key: bytes, start: int = 0, count: int | None = None):
         """The chunk's bytes ``[start, start + count)`` if in memory (valid until the next await)."""
         e = self._entries.get(key)
-        if e is None or not e.resident or not self.trusted(e):
+        if e is None or not e.resident:
             return None
+        if e.rng is not None and (e.volatile or (CHECK_INVARIANTS and start == 0 and count is None)):
+            data = self._range_copy(e)  # hashed whole: nothing else says the slice is the key's
+            if data is None:
+                return None
+            v = _slice(data, start, count)
+        else:
+            v = e.bytes(start, count)  # a buffer's view, or a copy of a sealed range (pread)
         if key in self._evictable:
             self._evictable.move_to_end(key)
-        return e.bytes(start, count)
+        return v
 
     async def read(self, key: bytes, fetch: Fetch, *, into: Range | None = None, start: int = 0, count: int | None = None):
         """The chunk's bytes ``[start, start + count)`` from memory, the spill store, or ``fetch()``.
@@ -707,40 +748,29 @@ class StagingPool:
     async def lease(self, key: bytes, fetch: Fetch):
         """Like ``read`` but the bytes stay valid inside the ``async with``.
 
-        A chunk in memory is lent without a copy (a buffer's view, or a
-        read-only map of its range): it is neither evicted nor its range
-        given back to its file meanwhile.  One fetched but not cached is
+        A chunk in a buffer is lent without a copy (it is neither evicted
+        nor recycled meanwhile); one in a range is a copy (``_copy``: the
+        range may be punched or, while the kernel may write it, changed, and
+        the copy is what hashes to the key).  One fetched but not cached is
         the fetched copy.
         """
-        e = self._entries.get(key)
-        if e is None or not e.resident or not self.trusted(e):
-            data = await self.read(key, fetch)
-            e = self._entries.get(key)
-            if e is None or not e.resident or not self.trusted(e):
-                yield data
-                return
-        e.leases += 1
+        held, view = await self._lend(key, fetch)
         try:
-            with self._mapped(e) as view:
-                yield view
+            yield view
         finally:
-            self._let_go(e)
+            if held is not None:
+                self._let_go(held)
 
-    @contextmanager
-    def _mapped(self, e: Entry):
-        """A view of a leased entry's bytes, without a copy."""
-        if e.buf is not None:
-            yield memoryview(e.buf)[: e.length]
-            return
-        assert e.rng is not None  # resident
-        m = e.rng.map(e.length)
-        try:
-            yield memoryview(m)
-        finally:
-            try:
-                m.close()
-            except BufferError:
-                pass  # a view of it outlives the lease (the caller's name for it): unmapped when that goes
+    async def _lend(self, key: bytes, fetch: Fetch):
+        """(the entry now leased, or None; its bytes) for ``lease``."""
+        e = self._entries.get(key)
+        if e is None or e.buf is None:
+            data = await self.read(key, fetch)  # a range's bytes come as a copy; a fetch's as fetched
+            e = self._entries.get(key)
+            if e is None or e.buf is None:
+                return None, data
+        e.leases += 1  # a buffer: valid until let go
+        return e, memoryview(e.buf)[: e.length]
 
 
 class Pins:
