@@ -1234,3 +1234,37 @@ class TestPostgres(MetaConformance):
 def test_open_meta_rejects_bad_urls(url):
     with pytest.raises(err.ConfigError):
         open_meta(url)
+
+
+@trio_test
+async def test_the_sqlite_database_is_readable_by_its_owner_only(tmp_path):
+    # It names every file, of 0700 directories too: it was created 0644 (and its -wal, -shm with it).
+    old = os.umask(0o022)
+    try:
+        existing = tmp_path / "old.db"
+        existing.write_bytes(b"")
+        os.chmod(existing, 0o644)  # what an earlier release left
+        for path in (tmp_path / "meta.db", existing):
+            store = await open_store(f"sqlite://{path}")
+            try:
+                await store.create(ROOT_INO, b"secret-name", file_row())
+                await store.sync()
+                for name in (path, f"{path}-wal", f"{path}-shm"):
+                    assert os.stat(name).st_mode & 0o777 == 0o600, name
+            finally:
+                await store.close()
+    finally:
+        os.umask(old)
+
+
+def test_a_state_dir_readable_by_others_is_made_private(tmp_path):
+    from aiturbofs.node._run import _lock_state_dir
+
+    d = tmp_path / "state"
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o755)
+    fd = _lock_state_dir(str(d))
+    try:
+        assert os.stat(d).st_mode & 0o777 == 0o700
+    finally:
+        os.close(fd)

@@ -88,6 +88,31 @@ def _operating_errors() -> Iterator[None]:
         raise
 
 
+def _private(path: str) -> None:
+    """Make the database and its WAL and shm files readable by their owner only (0600).
+
+    They hold every file name, of private directories too.  sqlite creates the
+    -wal and -shm files with the database file's mode: the database is made
+    0600 before sqlite first opens it, and an existing one is tightened.
+    """
+    try:
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        for name in (path, path + "-wal", path + "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(name).st_mode & 0o077:
+                    os.chmod(name, 0o600)
+    except OSError as exc:
+        raise err.AiturboError(f"metadata database {path}: {exc.strerror}") from exc
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def _committed(conn: sqlite3.Connection) -> Iterator[sqlite3.Cursor]:
     """A cursor in the transaction just begun on ``conn``: COMMIT when the
@@ -141,6 +166,7 @@ class SqliteMetaStore(SqlMetaStore):
         self._checkpointed = 0  # the group after which the last checkpoint ran
         self._synced_group = 0  # every group up to this one is on disk
         self._syncing: trio.Event | None = None  # set when the running fsync ends
+        self._wal_synced: int | None = None  # inode of the WAL file whose directory entry was synced
 
     def __repr__(self) -> str:
         return f"SqliteMetaStore({self.path!r})"
@@ -155,6 +181,7 @@ class SqliteMetaStore(SqlMetaStore):
 
     def _connect(self) -> None:
         with _operating_errors():
+            _private(self.path)
             conn = self._open()
             mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
             if mode.lower() != "wal":  # e.g. a filesystem without shared memory
@@ -294,10 +321,16 @@ class SqliteMetaStore(SqlMetaStore):
                 return  # nothing since the last checkpoint
             try:
                 os.fsync(fd)
+                wal = os.fstat(fd).st_ino
             except OSError as exc:
                 raise err.AiturboError(f"metadata database: fsync of its WAL: {exc}") from exc
             finally:
                 os.close(fd)
+            if wal != self._wal_synced:
+                # A new WAL file: its directory entry must be on disk too, or a crash loses it with
+                # every commit it holds.
+                _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+                self._wal_synced = wal
 
     async def sync(self) -> None:
         with trio.CancelScope(shield=True):

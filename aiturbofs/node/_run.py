@@ -14,6 +14,7 @@ import fcntl
 import logging
 import os
 import signal
+import stat
 import time
 from functools import partial
 
@@ -64,6 +65,11 @@ class ReadyPipe:
 
 def _lock_state_dir(state_dir: str) -> int:
     os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    mode = stat.S_IMODE(os.stat(state_dir).st_mode)
+    if mode & 0o077:
+        # Its metadata database names every file, of private directories too.
+        log.warning("state dir %s was mode %o, readable by others; made 0700", state_dir, mode)
+        os.chmod(state_dir, 0o700)
     fd = os.open(os.path.join(state_dir, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
