@@ -499,3 +499,35 @@ def test_hashing_a_range_never_allocates_memory_in_it(tmp_path):
     finally:
         os.close(fd)
         os.unlink(path)
+
+
+def test_the_check_catches_a_sealed_range_changed_in_place_and_spares_named_chunks(tmp_path):
+    # AITURBOFS_CHECK_INVARIANTS (conftest sets it): a copy out of a sealed range is hashed against
+    # what the range held when sealed; a chunk cached under a name (an imported object's) is not its
+    # hash and passes as long as its range is unchanged.
+    from aiturbofs import _limits
+    if not _limits.CHECK_INVARIANTS:
+        pytest.skip("AITURBOFS_CHECK_INVARIANTS is off in this process")
+
+    async def main():
+        area = BackingArea(str(tmp_path / "staging"))
+        pool = StagingPool(8 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+        data = os.urandom(CHUNK_BYTES)
+        name = chunk.digest(b"external" + data[:16])  # a name, not the bytes' hash
+
+        async def fetch():
+            return data
+
+        named = area.file(5).range(0)
+        await pool.read(name, fetch, into=named, count=0)
+        assert named.entry is not None
+        async with pool.lease(name, fetch) as view:
+            assert bytes(view) == data
+        rng = area.file(6).range(0)
+        key = await _seal_in(pool, rng, data[::-1])
+        rng.pwrite(10, b"in place")  # what no one may do to a sealed range
+        with pytest.raises(AssertionError, match="staging invariant"):
+            async with pool.lease(key, fetch):
+                pass
+
+    run(main)

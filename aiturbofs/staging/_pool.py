@@ -53,7 +53,7 @@ def room(want: int, index: int) -> int:
 class Entry:
     """One sealed chunk, in memory as ``buf[:length]`` or as a backing file's range ``rng``."""
 
-    __slots__ = ("key", "buf", "rng", "length", "charge", "pins", "leases", "spilled", "volatile")
+    __slots__ = ("key", "buf", "rng", "length", "charge", "pins", "leases", "spilled", "volatile", "sealed_as")
 
     def __init__(self, key: bytes, buf: bytearray | None, length: int):
         self.key = key
@@ -67,6 +67,10 @@ class Entry:
         # In a range the kernel may still write (its file is open in passthrough mode for writing):
         # read only after hashing it again, never evicted or spilled, until ``steady``.
         self.volatile = False
+        # With CHECK_INVARIANTS: the content key of the bytes its range held when it became their home
+        # (or was trusted again), which every copy out of the range is checked against.  (Not ``key``:
+        # an imported object's chunk is cached under a name, not a hash.)
+        self.sealed_as: bytes | None = None
 
     @property
     def resident(self) -> bool:
@@ -291,6 +295,7 @@ class StagingPool:
             e.rng, e.length, e.charge = rng, length, charge
             e.volatile = rng.file.kernel_writers > 0
             rng.entry = e
+            self._note_sealed(e)
         if pin:
             self.pin(key)
         self._place(e)
@@ -351,14 +356,14 @@ class StagingPool:
     def _range_copy(self, e: Entry) -> bytes | None:
         assert e.rng is not None
         data = e.rng.pread(0, e.length)
-        if not e.volatile and not CHECK_INVARIANTS:
+        if not e.volatile:
+            if CHECK_INVARIANTS and e.sealed_as is not None and chunk.content_key(data) != e.sealed_as:
+                # a sealed range changed in place: the invariant is broken (the tests run with the check on)
+                raise AssertionError(f"staging invariant: chunk {e.key.hex()[:16]} in {e.rng.file.path} range "
+                                     f"{e.rng.index} changed after it was sealed")
             return data
         if chunk.content_key(data) == e.key:
             return data
-        if not e.volatile:
-            # a sealed range changed in place: the invariant is broken (a test runs with the check on)
-            raise AssertionError(f"staging invariant: chunk {e.key.hex()[:16]} in {e.rng.file.path} range "
-                                 f"{e.rng.index} changed after it was sealed")
         log.info("chunk %s changed in %s by a passthrough writer: no longer served from there",
                  e.key.hex()[:16], e.rng.file.path)
         self.unreserve(self.disown_range(e.rng))
@@ -376,7 +381,14 @@ class StagingPool:
         e = rng.entry
         if e is not None and e.volatile:
             e.volatile = False
+            self._note_sealed(e)
             self._place(e)
+
+    @staticmethod
+    def _note_sealed(e: Entry) -> None:
+        """With CHECK_INVARIANTS: remember what a sealed range holds (``_range_copy`` checks it)."""
+        if CHECK_INVARIANTS and not e.volatile and e.rng is not None:
+            e.sealed_as = chunk.content_key(e.rng.pread(0, e.length))
 
     def recover_replica(self, key: bytes, rng: Range, length: int) -> None:
         """After a restart: a replica's backing file (checked to hold ``key``) is the chunk again, pinned once."""
