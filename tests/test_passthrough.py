@@ -184,6 +184,29 @@ def test_writing_three_times_the_budget_in_files_through_the_kernel_loses_nothin
         assert f.read(1) == b"\x07"
 
 
+def test_a_setattr_racing_the_release_of_a_deduplicated_file_keeps_its_bytes(pmnt, tmp_path):
+    # rsync's sequence: an O_RDWR temp file whose chunk the pool already holds, closed (the RELEASE
+    # goes out asynchronously), then utimensat/chmod and a rename at once.  The SETATTR's absorb
+    # waited for the release's and then hashed the backing file the release had just punched.
+    data = os.urandom(5000)
+    with open(pmnt.path("orig"), "wb") as f:
+        f.write(data)
+    for i in range(20):
+        tmp = pmnt.path(f".f{i}.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, data)
+        os.close(fd)
+        os.utime(tmp, ns=(10**18, 10**18))
+        os.chmod(tmp, 0o644)
+        os.rename(tmp, pmnt.path(f"f{i}"))
+        with open(pmnt.path(f"f{i}"), "rb") as f:
+            assert f.read() == data, i
+    wait_durable(pmnt)
+    for i in range(20):
+        assert os.getxattr(pmnt.path(f"f{i}"), "user.aiturbo.state") == b"durable", i
+        assert backend_bytes(tmp_path, f"f{i}") == data
+
+
 def test_pyfuse3_and_the_kernel_session_without_passthrough_serve_data_through_requests(make_mount):
     m = make_mount(datapath="kernel")
     with open(m.path("k"), "wb") as f:

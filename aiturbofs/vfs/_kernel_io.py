@@ -189,19 +189,27 @@ async def absorb(fs: Filesystem, node: Inode, *, verify: bool = False) -> None:
     through a shared mapping moves none; see ``close_kernel`` for when they may).
     ``verify`` (the last writer is gone): at low priority, and the chunks
     found unchanged are trusted again (``steady``).
+
+    Callers other than the last writer's release check ``being_written``
+    first, but may then wait for the lock while that release runs: once no
+    passthrough writer is left there is nothing of the kernel's to take (the
+    release checked every chunk), and the backing file is no longer the
+    file's bytes (a chunk the pool keeps elsewhere was punched there), so it
+    is looked at only with the lock held and a writer still open.
     """
     content = node.file
-    backing = content.backing
-    if backing is None:
-        return
-    fs.pool.unreserve(content.kernel_charged)  # the slots count the bytes now (below)
-    content.kernel_charged = 0
-    st = os.fstat(backing.fd())
-    size = st.st_size
-    if size > fs.size_max:
-        raise FileTooBig(f"a file of {size} bytes exceeds {fs.size_max}, the most the backend can hold")
-    changed = size != content.size
+    changed = False
     async with content.lock:
+        backing = content.backing
+        if backing is None or not (verify or being_written(node)):
+            return
+        fs.pool.unreserve(content.kernel_charged)  # the slots count the bytes now (below)
+        content.kernel_charged = 0
+        st = os.fstat(backing.fd())
+        size = st.st_size
+        if size > fs.size_max:
+            raise FileTooBig(f"a file of {size} bytes exceeds {fs.size_max}, the most the backend can hold")
+        changed = size != content.size
         for index in range(chunk.chunk_count(size)):
             length = chunk.chunk_length(size, index)
             slot = content.slot_at(index)
