@@ -204,6 +204,44 @@ def test_kill9_without_spill_loses_nothing_closed(s3m):
     assert not os.path.exists(m.staging_dir)  # all durable: the clean exit gave the DRAM back
 
 
+def test_kill9_never_serves_bytes_written_after_the_last_close(s3m):
+    """Bytes a writer left in a hole of its file's backing file, fd still open at the kill -9, were
+    never committed: a restart must neither serve them nor persist them.  The old recovery kept
+    them in the backing file and the kernel read them (passthrough found the file "all local"):
+    one open read ZZZZ in chunk 1, and the next commit uploaded them as the file's."""
+    m = s3m.mount(**NO_REIMPORT)
+    path = m.path("h.bin")
+    with open(path, "wb") as f:
+        f.write(b"A" * CHUNK)
+        f.truncate(2 * CHUNK)  # chunk 1 is a hole
+    assert wait_state(path, "durable") == "durable"
+    s3m.server.freeze()  # the next version stays staged
+    with open(path, "r+b") as f:
+        f.write(b"B" * 4096)
+    want = b"B" * 4096 + b"A" * (CHUNK - 4096) + bytes(CHUNK)
+    assert get(path) == want
+    writer = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(writer, b"Z" * 4096, CHUNK)  # into the hole; never closed before the crash
+        m.kill()
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(writer)
+    s3m.server.thaw()
+    m2 = remount(s3m, m)
+    for _ in range(3):
+        assert get(m2.path("h.bin")) == want
+    with open(m2.path("h.bin"), "r+b") as f:
+        f.seek(100)
+        f.write(b"C")
+    want = want[:100] + b"C" + want[101:]
+    r = aiturbo("wait", m2.mountpoint, check=False, timeout=WAIT_S)
+    assert r.returncode == 0, r.stderr
+    assert get(m2.path("h.bin")) == want
+    assert s3m.objects()["h.bin"] == want
+    assert_no_bug(m2.log())
+
+
 def test_host_reboot_without_spill_reports_broken_never_other_bytes(s3m):
     """A reboot empties the tmpfs: what was only staged there is broken, never served as other bytes."""
     m = s3m.mount(**NO_REIMPORT)

@@ -1324,6 +1324,13 @@ class Filesystem:
         if backing is not None:
             content.backing = backing
             backing.users += 1
+            # What recovery did not take from the file's own backing file is not the file's: bytes a
+            # passthrough writer left there after its last close (never committed), or a chunk now kept
+            # elsewhere.  Read through the kernel they would be served; they go.
+            for index in range(chunk.chunk_count(backing.size)):
+                rng = backing.range(index)
+                if rng.entry is None:
+                    self._punch(rng)
         node.content = content
 
     async def wait_durable(self, ino: int) -> None:

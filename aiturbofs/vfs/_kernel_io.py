@@ -131,7 +131,8 @@ def _local(content, backing) -> bool:
         rng = backing.range(index)
         e = rng.entry
         if slot is None:
-            if e is not None:
+            # a hole: the kernel reads the range, which must be one (stale bytes there are no one's)
+            if e is not None or not is_hole(backing.fd(), rng.offset, chunk.chunk_length(content.size, index)):
                 return False
             continue
         if slot.is_open or slot.key is None or e is None or e.key != slot.key or e.length != chunk.chunk_length(content.size, index):
