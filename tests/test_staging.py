@@ -531,3 +531,27 @@ def test_the_check_catches_a_sealed_range_changed_in_place_and_spares_named_chun
                 pass
 
     run(main)
+
+
+def test_a_chunk_dropped_from_spill_while_it_is_read_is_fetched(tmp_path):
+    # A prefetch found the chunk in the spill store; before its read ran the chunk went durable and
+    # its spill file was discarded: the read raised FileNotFoundError in a background task and the
+    # daemon exited (every process using the mount got ENOTCONN).
+    async def main():
+        pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+        key, data = _chunk(4)
+        await pool.spill.write(key, data)
+        real_read = pool.spill.read
+
+        async def read_after_discard(k):
+            os.unlink(os.path.join(pool.spill.directory, k.hex()))  # what discard does to the file
+            return await real_read(k)
+
+        pool.spill.read = read_after_discard
+
+        async def fetch():
+            return bytes(data)
+
+        assert bytes(await pool.read(key, fetch)) == bytes(data)
+
+    run(main)

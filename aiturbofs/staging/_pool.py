@@ -702,9 +702,13 @@ class StagingPool:
                 return _slice(pending.data, start, count)
         flight = self._inflight[key] = _Flight()
         try:
+            data = None
             if key in self.spill:
-                data = await self.spill.read(key)
-            else:
+                try:
+                    data = await self.spill.read(key)
+                except FileNotFoundError:
+                    pass  # discarded while we asked (the chunk went durable): from wherever fetch finds it
+            if data is None:
                 data = await fetch()
         except BaseException as exc:
             if isinstance(exc, Exception):
