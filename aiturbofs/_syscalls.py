@@ -29,3 +29,12 @@ def is_mount_point(path: str) -> bool:
     path = os.path.abspath(path)
     with open("/proc/self/mountinfo") as f:
         return any(line.split()[4] == path for line in f)
+
+
+def fsync_dir(path: str) -> None:
+    """fsync the directory ``path``: the names made or moved in it are on disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -32,6 +32,7 @@ from .._limits import (
     NAME_BYTES_MAX,
     PATH_BYTES_MAX,
 )
+from .._syscalls import fsync_dir
 from ._base import (
     UPLOAD_TEMP_PREFIX,
     Backend,
@@ -324,7 +325,7 @@ class LocalUpload(Upload):
                     fcntl.flock(fd, fcntl.LOCK_UN)  # remote re-sends may come before the retry
                 raise
             self._published = True
-        _fsync_dir(os.path.dirname(self._path))
+        fsync_dir(os.path.dirname(self._path))
         self._close_sync()
         return os.stat(self._path)
 
@@ -463,7 +464,7 @@ def _write_node_sync(path: str, node: NodeAttrs, root: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(parent)
+    fsync_dir(parent)
 
 
 def _read_node_sync(path: str) -> NodeAttrs | None:
@@ -672,21 +673,13 @@ def _copy_by_reading(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int,
     return done
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _move_sync(src: str, dst: str, root: str) -> None:
     os.lstat(src)  # a missing source must not be reported as a missing target parent (a symlink moves as itself)
     _in_parent(os.path.dirname(dst), root, lambda: os.replace(src, dst), again=lambda: os.path.lexists(src))
-    _fsync_dir(os.path.dirname(dst))
+    fsync_dir(os.path.dirname(dst))
     if os.path.dirname(src) != os.path.dirname(dst):
         try:
-            _fsync_dir(os.path.dirname(src))
+            fsync_dir(os.path.dirname(src))
         except FileNotFoundError:
             pass  # emptied by this move and removed meanwhile: the move itself is done
 

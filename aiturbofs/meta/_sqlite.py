@@ -57,6 +57,7 @@ from .._limits import (
     META_SQLITE_GROUP_MAX,
     META_SQLITE_READERS,
 )
+from .._syscalls import fsync_dir
 from ._sql import SqlMetaStore, Tx
 
 # Primary result codes that are operating conditions, not bugs in our SQL.
@@ -103,14 +104,6 @@ def _private(path: str) -> None:
                     os.chmod(name, 0o600)
     except OSError as exc:
         raise err.AiturboError(f"metadata database {path}: {exc.strerror}") from exc
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -329,7 +322,7 @@ class SqliteMetaStore(SqlMetaStore):
             if wal != self._wal_synced:
                 # A new WAL file: its directory entry must be on disk too, or a crash loses it with
                 # every commit it holds.
-                _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+                fsync_dir(os.path.dirname(os.path.abspath(self.path)))
                 self._wal_synced = wal
 
     async def sync(self) -> None:
