@@ -402,6 +402,12 @@ def _kernel_written(area: BackingArea, ino: int):
     return f
 
 
+def _area_and_pool(tmp_path) -> tuple[BackingArea, StagingPool]:
+    """A staging dir and a pool of 8 chunks over it (no spill dir)."""
+    return (BackingArea(str(tmp_path / "staging")),
+            StagingPool(8 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False))
+
+
 async def _seal_in(pool: StagingPool, rng, data: bytes) -> bytes:
     key = chunk.content_key(data)
     assert await pool.reserve(CHUNK_BYTES)
@@ -416,8 +422,7 @@ def test_a_clean_chunk_the_kernel_may_change_moves_when_another_file_seals_it(tm
     # The old entry went away under adopt_range, which then pinned a key no longer in the pool (KeyError
     # in fsync; the file was marked broken: "chunk 6 ... is in neither DRAM, spill nor the backend").
     async def main():
-        area = BackingArea(str(tmp_path / "staging"))
-        pool = StagingPool(8 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+        area, pool = _area_and_pool(tmp_path)
         data = bytes([5]) * CHUNK_BYTES
         first = _kernel_written(area, 3).range(0)
         key = await _seal_in(pool, first, data)
@@ -435,8 +440,7 @@ def test_a_leased_chunk_keeps_its_bytes_when_its_range_is_punched(tmp_path):
     # the same chunk (it moves there) and the first file's close punches its range.  The lease was a map
     # of that range: the upload sent zeros and the file was called durable.
     async def main():
-        area = BackingArea(str(tmp_path / "staging"))
-        pool = StagingPool(8 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+        area, pool = _area_and_pool(tmp_path)
         data = os.urandom(CHUNK_BYTES)
         first = _kernel_written(area, 3).range(0)
         key = await _seal_in(pool, first, data)
@@ -457,8 +461,7 @@ def test_a_chunk_the_kernel_changed_is_never_served_under_its_old_key(tmp_path):
     # While a passthrough writer is open, the kernel may write a sealed chunk's range at any moment:
     # whatever is handed out under the key (view, lease, a copy for take_range) is what hashes to it.
     async def main():
-        area = BackingArea(str(tmp_path / "staging"))
-        pool = StagingPool(8 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+        area, pool = _area_and_pool(tmp_path)
         data = bytes([7]) * CHUNK_BYTES
         rng = _kernel_written(area, 3).range(0)
         key = await _seal_in(pool, rng, data)
@@ -510,8 +513,7 @@ def test_the_check_catches_a_sealed_range_changed_in_place_and_spares_named_chun
         pytest.skip("AITURBOFS_CHECK_INVARIANTS is off in this process")
 
     async def main():
-        area = BackingArea(str(tmp_path / "staging"))
-        pool = StagingPool(8 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+        area, pool = _area_and_pool(tmp_path)
         data = os.urandom(CHUNK_BYTES)
         name = chunk.digest(b"external" + data[:16])  # a name, not the bytes' hash
 
