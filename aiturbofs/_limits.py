@@ -145,6 +145,7 @@ META_PG_KEEPALIVE_S = 5  # postgresql: TCP keepalive idle/interval; a silent ser
 CONTROL_REQUEST_BYTES_MAX = 64 * KiB
 CONTROL_CLIENTS_MAX = 16
 CONTROL_CALL_TIMEOUT_S = 10.0
+VERIFY_CHUNKS_PER_CALL = 4  # ``aiturbo verify`` asks the daemon for this many chunks a request (32 MiB: well within the call timeout)
 WAIT_POLL_S = 0.2  # `aiturbo wait` refresh period
 
 # --- daemon start

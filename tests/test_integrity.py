@@ -143,6 +143,8 @@ def test_identical_writers_land_exact(backend, dram, datapath, make_mount, tmp_p
     aiturbo("wait", mnt.mountpoint, timeout=300)
     assert {state(mnt.path(p)) for p in oracle} == {"durable"}
     assert _differs(oracle, stored) == [], "the backend holds other bytes than were written"
+    verified = aiturbo("verify", "-q", mnt.mountpoint, check=False, timeout=300)
+    assert verified.returncode == 0, verified.stderr
     _no_bug_in(mnt)
     mnt.stop()
 
@@ -179,4 +181,54 @@ def test_writers_of_more_than_the_budget_each_keep_the_mount_up(datapath, make_m
     assert _differs(oracle, _read_file(mnt.mountpoint)) == []
     aiturbo("wait", mnt.mountpoint, timeout=300)
     assert _differs(oracle, _read_file(str(tmp_path / "backend"))) == []
+    _no_bug_in(mnt)
+
+
+def test_verify_reports_missing_resized_and_changed_objects(make_mount, tmp_path):
+    # aiturbo verify, the scrub: every durable file's object against its manifest, by path.
+    backend = tmp_path / "backend"
+    backend.mkdir()
+    mnt = make_mount(f"file://{backend}", import_ttl=3600)  # (no re-import of the objects changed below)
+    os.mkdir(mnt.path("d"))
+    files = {"a": os.urandom(2 * (1 << 23) + 777), "d/b": b"small" * 100, "c": os.urandom(5000), "empty": b""}
+    for name, data in files.items():
+        with open(mnt.path(name), "wb") as f:
+            f.write(data)
+    aiturbo("wait", mnt.mountpoint)
+    ok = aiturbo("verify", "-q", mnt.mountpoint, check=False)
+    assert ok.returncode == 0, ok.stderr
+    assert "4 durable file(s) checked, 0 problem(s)" in ok.stderr
+
+    with open(backend / "a", "r+b") as f:  # one byte of chunk 1, size kept
+        f.seek((1 << 23) + 5)
+        f.write(bytes([files["a"][(1 << 23) + 5] ^ 0xFF]))
+    os.truncate(backend / "d" / "b", 10)
+    os.unlink(backend / "c")
+    bad = aiturbo("verify", "-q", mnt.mountpoint, check=False)
+    assert bad.returncode == 1, bad.stderr
+    lines = bad.stderr.splitlines()
+    assert any(line.endswith("/a: backend object 'a': chunks differ from the manifest (chunks 1)") for line in lines)
+    assert any("/d/b: backend object 'd/b': size 10, recorded 500" in line for line in lines)
+    assert any(line.endswith("/c: backend object 'c': missing") for line in lines)
+    assert "4 durable file(s) checked, 3 problem(s)" in bad.stderr
+    assert aiturbo("verify", "-q", mnt.path("d", "b"), check=False).returncode == 1
+    outside = aiturbo("verify", str(backend), check=False)
+    assert outside.returncode == 2 and "aiturbofs mount" in outside.stderr
+    assert "verify: a (inode" in mnt.log()
+
+    # --repair: the mount still holds every chunk (the pool keeps durable files' chunks while it has room).
+    repaired = aiturbo("verify", "-q", "--repair", mnt.mountpoint, check=False, timeout=300)
+    assert repaired.returncode == 0, repaired.stderr
+    assert "3 of 3 file(s) repaired" in repaired.stderr
+    for name, data in files.items():
+        assert (backend / name).read_bytes() == data, name
+    assert aiturbo("verify", "-q", mnt.mountpoint, check=False).returncode == 0
+
+    # Once the pool let go of the chunks, nothing here can repair it: said, and the exit is 1.
+    assert aiturbo("drop-cache", mnt.mountpoint).returncode == 0
+    os.truncate(backend / "a", 3)
+    unrepaired = aiturbo("verify", "-q", "--repair", mnt.path("a"), check=False, timeout=300)
+    assert unrepaired.returncode == 1, unrepaired.stderr
+    assert "/a: not repaired: no copy of chunks 0, 1, 2 is held in the mount or by a peer" in unrepaired.stderr
+    assert state(mnt.path("a")) == "durable"
     _no_bug_in(mnt)

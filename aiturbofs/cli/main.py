@@ -18,10 +18,12 @@ import sys
 import time
 
 from .._limits import (
+    CHUNK_BYTES,
     CONFIG_PATH_DEFAULT,
     CONTROLLER_BACKEND_GBPS_DEFAULT,
     METRICS_CONTROLLER_ADDRESS_DEFAULT,
     STATUS_LIST_MAX,
+    VERIFY_CHUNKS_PER_CALL,
     WAIT_POLL_S,
 )
 from .._nursery import open_nursery
@@ -103,6 +105,115 @@ def cmd_wait(args) -> int:
             print(f"aiturbo wait: broken: {path}", file=sys.stderr)
         return 1
     return 0
+
+
+def cmd_verify(args) -> int:
+    """Check every durable file under the paths against its backend object (see persist/_verify.py);
+    with ``--repair``, upload the files found wrong again from copies held in the mount."""
+    try:
+        files = [(path, size) for path, size in _files(args.paths) if not os.path.isdir(path)]
+        points = _fuse_mounts()
+        mounts = {path: _mount_of(path, points) for path, _ in files}
+        sockets = {path: _sockets(mount)[0] for path, mount in mounts.items()}
+    except OSError as exc:
+        print(f"aiturbo verify: {exc.filename or ''}: {exc.strerror} (is it on an aiturbofs mount?)", file=sys.stderr)
+        return 2
+    try:
+        found = _verify_files(files, sockets, args.quiet)
+        if not args.repair or not found:
+            return 1 if found else 0
+        queued = []
+        for path in found:
+            answer = _call(sockets[path], {"cmd": "repair", "ino": os.stat(path).st_ino})
+            if answer["missing"]:
+                print(f"aiturbo verify: {path}: not repaired: no copy of chunks "
+                      f"{', '.join(map(str, answer['missing']))} is held in the mount or by a peer", file=sys.stderr)
+            elif answer["changed"]:
+                print(f"aiturbo verify: {path}: not repaired: it changed meanwhile (now {answer['state']})",
+                      file=sys.stderr)
+            else:
+                queued.append(path)
+        if not queued:
+            return 1
+        print(f"aiturbo verify: re-uploading {len(queued)} file(s) from the mount's copies", file=sys.stderr)
+        waited = cmd_wait(argparse.Namespace(paths=queued, timeout=0, quiet=args.quiet))
+        still = _verify_files([(path, os.stat(path).st_size) for path in queued], sockets, args.quiet)
+        print(f"aiturbo verify: {len(queued) - len(still)} of {len(found)} file(s) repaired", file=sys.stderr)
+        return 1 if waited or still or len(queued) < len(found) else 0
+    except _ControlError as exc:
+        print(f"aiturbo verify: {exc}", file=sys.stderr)
+        return 2
+
+
+class _ControlError(Exception):
+    """A daemon did not answer a control request, or refused it."""
+
+
+def _call(sock: str, request: dict) -> dict:
+    from ..node._control import call
+
+    try:
+        answer = call(sock, request)
+    except OSError as exc:
+        raise _ControlError(f"{sock}: {exc.strerror or exc}") from exc
+    if not answer.get("ok"):
+        raise _ControlError(f"{request.get('cmd')}: {answer.get('error')}")
+    return answer
+
+
+def _verify_files(files: list[tuple[str, int]], sockets: dict[str, str], quiet: bool) -> dict[str, list[str]]:
+    """Verify each file chunk by chunk (``sockets``: its daemon's, by path); print and return the problems
+    found, by path."""
+    from tqdm import tqdm
+
+    checked = skipped = unhashed = 0
+    found: dict[str, list[str]] = {}
+    with tqdm(total=sum(size for _, size in files), unit="B", unit_scale=True, unit_divisor=1024, desc="verified",
+              disable=quiet, file=sys.stderr) as bar:
+        for path, size in files:
+            sock, ino, first, n = sockets[path], os.stat(path).st_ino, 0, None
+            while n is None or first < n:
+                answer = _call(sock, {"cmd": "verify", "ino": ino, "first": first, "count": VERIFY_CHUNKS_PER_CALL})
+                n = answer["chunks"]
+                for p in answer["problems"]:
+                    chunks = f" (chunks {', '.join(map(str, p['chunks']))})" if p["chunks"] else ""
+                    found.setdefault(path, []).append(f"backend object {p['path']!r}: {p['what']}{chunks}")
+                    print(f"aiturbo verify: {path}: {found[path][-1]}", file=sys.stderr)
+                if answer["state"] != "durable":
+                    break
+                bar.update(min(size, (first + VERIFY_CHUNKS_PER_CALL) * CHUNK_BYTES) - min(size, first * CHUNK_BYTES))
+                first += VERIFY_CHUNKS_PER_CALL
+            if answer["state"] != "durable":
+                skipped += 1
+                bar.update(size)
+            else:
+                checked += 1
+                unhashed += not answer.get("hashed", True)
+    problems = sum(map(len, found.values()))
+    print(f"aiturbo verify: {checked} durable file(s) checked, {problems} problem(s); {skipped} not durable "
+          f"(skipped){f'; {unhashed} imported and never read whole (size checked only)' if unhashed else ''}",
+          file=sys.stderr)
+    return found
+
+
+def _mount_of(path: str, points: list[str]) -> str:
+    """The mount point of ``points`` that ``path`` is on (the longest one above it)."""
+    target = os.path.abspath(path)
+    above = [p for p in points if target == p or target.startswith(p.rstrip("/") + "/")]
+    if not above:
+        raise OSError(errno.EINVAL, "not on an aiturbofs mount", path)
+    return max(above, key=len)
+
+
+def _fuse_mounts() -> list[str]:
+    """Mount points of FUSE file systems in this mount namespace."""
+    points = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[fields.index("-") + 1].startswith("fuse"):
+                points.append(fields[4].encode().decode("unicode_escape"))
+    return points
 
 
 def _sockets(mountpoint: str | None) -> list[str]:
@@ -276,6 +387,20 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     w.add_argument("paths", nargs="+", help="files or directories on an aiturbofs mount")
     w.add_argument("--timeout", type=float, default=0, help="give up after this many seconds (exit 3)")
     w.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    v = sub.add_parser(
+        "verify", help="check durable files' backend objects against their recorded chunk hashes (a scrub)",
+        description="For every durable file under PATHs, read each of its objects in the backend and check "
+                    "its size and every chunk's BLAKE3 against the manifest the file recorded.  Reports each "
+                    "missing object, wrong size and differing chunk by path (and in the daemon's log and its "
+                    "aiturbo_verify_problems metric).  Files not yet durable are skipped (see aiturbo wait).  "
+                    "Exit 0: every object exact (or, with --repair, repaired); 1: problems found (and not "
+                    "repaired); 2: a path is not on an aiturbofs mount, or the daemon did not answer.")
+    v.add_argument("paths", nargs="+", help="files or directories on an aiturbofs mount")
+    v.add_argument("--repair", action="store_true",
+                   help="upload each file found wrong again from the copies of its chunks held in the mount "
+                        "(DRAM, spill or a peer's pool), wait until it is durable and verify it again; names "
+                        "the files it could not repair")
+    v.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     st = sub.add_parser("status", help="pool use, persist queue and recent errors of running daemons")
     st.add_argument("mountpoint", nargs="?", help="default: every daemon on this host")
     st.add_argument("--json", action="store_true")
@@ -348,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"aiturbo controller: {line}", file=sys.stderr)
             return 1
         args = p.parse_args(argv)
+    if args.cmd == "verify":
+        return cmd_verify(args)
     if args.cmd == "wait":
         return cmd_wait(args)
     if args.cmd == "status":

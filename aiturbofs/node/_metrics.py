@@ -107,6 +107,8 @@ class NodeCollector:
         c.add_metric(["broken_file"], p.stats.files_broken)
         c.add_metric(["logged"], getattr(self.fs, "errors_total", len(self.fs.errors)))
         yield c
+        yield _counter_value("aiturbo_verify_problems", "Backend objects aiturbo verify found missing, of another "
+                             "size, or with chunks other than the manifest's", p.stats.verify_problems)
         yield _gauge("aiturbo_uptime_seconds", "Seconds since the daemon started", trio.current_time() - self.started_s)
 
     def _groups(self):

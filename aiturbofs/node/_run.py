@@ -32,6 +32,7 @@ from .._limits import (
     SESSION_END_GRACE_S,
     STAGING_SLACK_BYTES_MIN,
     UNMOUNT_POLL_S,
+    VERIFY_CHUNKS_PER_CALL,
 )
 from .._nursery import open_nursery
 from ..cluster import ClusterNode, SingleNode
@@ -387,6 +388,13 @@ class _Dispatcher:
             return await self._status()
         if cmd == "drop-cache":
             return {"ok": True, "freed_bytes": self.pool.drop_clean()}
+        if cmd == "verify":
+            first, count = int(request.get("first", 0)), int(request.get("count", VERIFY_CHUNKS_PER_CALL))
+            if first < 0 or not 0 < count <= VERIFY_CHUNKS_PER_CALL:
+                return {"ok": False, "error": f"verify: chunks from {first}, {count} of them: out of range"}
+            return await self.fs.persister.verify(int(request["ino"]), first, count)
+        if cmd == "repair":
+            return await self.fs.restage(int(request["ino"]))
         if cmd == "debug-fault":
             self.ops.faults.arm(str(request.get("handler")), int(request.get("count", 1)))
             return {"ok": True}

@@ -54,6 +54,7 @@ class PersistStats:
     files_durable: int = 0
     files_broken: int = 0
     retries: int = 0
+    verify_problems: int = 0  # objects ``aiturbo verify`` found missing, of another size, or with other chunks
 
 
 def is_mine(cluster: ClusterPort, row) -> bool:

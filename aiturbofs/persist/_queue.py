@@ -42,6 +42,7 @@ from ._host import PersistHost, PersistStats, is_mine
 from ._reconcile import Reconciler
 from ._recovery import Recovery
 from ._upload import Uploads
+from ._verify import verify_chunks
 
 log = logging.getLogger("aiturbofs.persist")
 
@@ -96,6 +97,12 @@ class Persister:
     async def recover(self) -> None:
         """After a restart: resume persists whose chunks survived in backing files or spill."""
         await Recovery(self.host, self).run()
+
+    async def verify(self, ino: int, first: int, count: int) -> dict:
+        """``aiturbo verify``: check chunks of ``ino``'s backend objects against its manifest (``_verify``)."""
+        answer = await verify_chunks(self.host, ino, first, count)
+        self.stats.verify_problems += len(answer["problems"])
+        return answer
 
     async def upload_for_peer(self, backend_key: str, token: str, index: int, key: bytes, length: int, holders: list[str]) -> str:
         return await self.uploads.upload_for_peer(backend_key, token, index, key, length, holders)

@@ -1333,6 +1333,54 @@ class Filesystem:
                     self._punch(rng)
         node.content = content
 
+    async def restage(self, ino: int) -> dict:
+        """``aiturbo verify --repair``: upload durable ``ino`` again from copies of its chunks held here.
+
+        Every chunk of the manifest must be in this node's DRAM, its spill
+        store or a holder's pool: each is pinned (a peer's copy is stored
+        here first), the file goes back to staged and the persister uploads
+        it like any commit.  The backend is never a source: its object is
+        what is being repaired.  Answers ``missing``: the chunk indexes with
+        no copy (then nothing changes), or ``changed`` if a newer version
+        was committed meanwhile (it is persisted anyway).
+        """
+        try:
+            row = await self.meta.get_inode(ino)
+        except NotFound:
+            return {"ok": True, "missing": [], "changed": True, "state": "gone"}
+        if row.state != STATE_DURABLE:
+            return {"ok": True, "missing": [], "changed": True, "state": row.state}
+        if row.manifest is None:  # imported, never read whole: no hash says which bytes are right
+            return {"ok": True, "missing": list(range(chunk.chunk_count(row.size))), "changed": False,
+                    "state": row.state}
+        keys = chunk.unpack_manifest(row.manifest)[: chunk.chunk_count(row.size)]
+        pins, missing = Pins(self.pool), []
+        others = [h for h in row.holders if h != self.cluster.owner]
+        for index, key in enumerate(keys):
+            if key == chunk.HOLE:
+                continue
+            if self.pool.has(key):
+                pins.add(key)
+            elif self.pool.recover_spilled(key):  # pinned by that call
+                pins.keys.append(key)
+            elif others and (data := await self.cluster.fetch(key, others)) is not None:
+                await self.pool.store(key, data)  # verified by the fabric; pinned by that call
+                pins.keys.append(key)
+            else:
+                missing.append(index)
+        if missing or not await self.meta.set_state(ino, STATE_STAGED, if_version=row.version):
+            pins.release()
+            return {"ok": True, "missing": missing, "changed": not missing, "state": row.state}
+        node = self._inodes.get(ino)
+        if node is None:
+            node = self._inodes[ino] = Inode(row)
+        node.pins.append(VersionPins(row.version, pins))
+        node.row.state = STATE_STAGED
+        log.warning("verify: re-uploading %s (inode %d) from the copies of its %d chunk(s) held here",
+                    (await self.meta.paths_of(ino) or ["?"])[0], ino, len(pins.keys))
+        self.persister.enqueue(ino)
+        return {"ok": True, "missing": [], "changed": False, "state": STATE_STAGED}
+
     async def wait_durable(self, ino: int) -> None:
         """Block until the committed version of ``ino`` is durable (future 1)."""
         while True:
