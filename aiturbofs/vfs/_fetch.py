@@ -134,6 +134,9 @@ class ChunkFetcher:
                 self.bytes_fetched += len(data)
                 return data
             except (IntegrityError, BackendNotFound) as exc:
-                log.error("%s", exc)
+                # Not corruption by itself: an object may hold another version of the file (the
+                # previous one, read for a chunk the pool let go), or have moved.  Only when no copy
+                # has the bytes does the caller get the error (and it is logged there).
+                log.info("%s; trying the next copy", exc)
                 last = exc
         raise IntegrityError(str(last))
