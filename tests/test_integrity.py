@@ -16,6 +16,7 @@ import secrets
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from mounting import aiturbo, state
@@ -231,4 +232,45 @@ def test_verify_reports_missing_resized_and_changed_objects(make_mount, tmp_path
     assert unrepaired.returncode == 1, unrepaired.stderr
     assert "/a: not repaired: no copy of chunks 0, 1, 2 is held in the mount or by a peer" in unrepaired.stderr
     assert state(mnt.path("a")) == "durable"
+    _no_bug_in(mnt)
+
+
+def test_an_unlinked_file_still_open_reads_its_bytes_while_another_takes_its_name(make_mount, tmp_path):
+    # POSIX: an open descriptor of an unlinked (or renamed-over) file reads that file until it is closed.
+    # Its chunks may have left DRAM: its object must outlive the name, even when a new file is persisted
+    # at the same key, and go once the last descriptor is closed.
+    backend = tmp_path / "backend"
+    backend.mkdir()
+    mnt = make_mount(f"file://{backend}", dram="64M")
+    old, new, over = os.urandom(3 * (1 << 23) + 4321), os.urandom(1 << 23), os.urandom(5000)
+    for name, data in (("f", old), ("g", old[: 1 << 20])):
+        with open(mnt.path(name), "wb") as f:
+            f.write(data)
+    aiturbo("wait", mnt.mountpoint)
+    assert aiturbo("drop-cache", mnt.mountpoint).returncode == 0  # its chunks only in the backend now
+    fd = os.open(mnt.path("f"), os.O_RDONLY)
+    fd_g = os.open(mnt.path("g"), os.O_RDONLY)
+    try:
+        os.unlink(mnt.path("f"))
+        with open(mnt.path("f"), "wb") as f:  # a new file at the name, persisted over the old object's key
+            f.write(new)
+        with open(mnt.path("h"), "wb") as f:
+            f.write(over)
+        os.rename(mnt.path("h"), mnt.path("g"))  # renamed over an open file
+        aiturbo("wait", mnt.mountpoint)
+        assert (backend / "f").read_bytes() == new and (backend / "g").read_bytes() == over
+        assert os.pread(fd, len(old) + 1, 0) == old
+        assert os.pread(fd_g, 1 << 21, 0) == old[: 1 << 20]
+    finally:
+        os.close(fd)
+        os.close(fd_g)
+    for _ in range(200):  # the last close lets the hidden copies go
+        left = [p.name for p in backend.iterdir() if p.name.startswith(".aiturbo-")]
+        if not left:
+            break
+        time.sleep(0.05)
+    assert left == []
+    assert sorted(p.name for p in backend.iterdir()) == ["f", "g"]
+    with open(mnt.path("f"), "rb") as f:
+        assert f.read() == new
     _no_bug_in(mnt)

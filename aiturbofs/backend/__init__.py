@@ -12,6 +12,7 @@ import importlib
 from typing import Any
 
 from .._errors import ConfigError
+from ._base import ASIDE_PREFIX as ASIDE_PREFIX
 from ._base import UPLOAD_TEMP_PREFIX as UPLOAD_TEMP_PREFIX
 from ._base import Backend as Backend
 from ._base import NodeAttrs as NodeAttrs

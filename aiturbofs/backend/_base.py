@@ -49,6 +49,9 @@ from .._threads import background
 # Hidden names of half-written uploads: no listing ever shows them, and no
 # key may use them, so a user file can never collide with one.
 UPLOAD_TEMP_PREFIX = ".aiturbo-upload."
+# An object the persister moved out of a name another file takes first (a swap of names), or of an unlinked
+# file still open: never a file of the namespace (the importer skips it).
+ASIDE_PREFIX = ".aiturbo-aside."
 
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview

@@ -40,6 +40,10 @@ class PersistHost(Protocol):
     def is_cached(self, ino: int) -> bool:
         """Does the kernel (or an open handle) still know ``ino``?  Its row must then stay."""
 
+    def is_open(self, ino: int) -> bool:
+        """Is ``ino`` open (a descriptor or mapping may still read it)?  An unlinked file's objects then stay."""
+        ...
+
     def unlinked_keys(self) -> set[str]:
         """Backend keys of unlinked inodes still open or known to the kernel."""
 

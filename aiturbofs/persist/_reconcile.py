@@ -28,7 +28,7 @@ import trio
 
 from .._errors import AiturboError, BackendError, IntegrityError, NotFound, TransientBackendError
 from .._limits import PERSIST_BACKOFF_MAX_S
-from ..backend import NodeAttrs, ObjectInfo
+from ..backend import ASIDE_PREFIX, NodeAttrs, ObjectInfo
 from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED
 from ._host import PersistHost, PersistStats, is_mine
 from ._upload import Uploads
@@ -42,7 +42,6 @@ VACATED_KEEP_S = 600.0
 # this long before it tries again (see ``_defer``).
 DEFER_RETRY_S = 0.1
 # Hidden name prefix of an object moved out of the way (see ``_defer``).
-ASIDE_PREFIX = ".aiturbo-aside."
 # A publish or move refused because a directory (or a file, in the path) is
 # in the way: a renamed directory not yet emptied, or one not yet removed.
 # That clears once the other files have moved, so the file waits (_defer).
@@ -361,16 +360,7 @@ class Reconciler:
                     continue
                 if stat.S_ISDIR(row.mode):
                     continue  # a directory's old form holds other files' objects: it goes once they moved
-                head, _, _ = key.rpartition("/")
-                aside = f"{head}/" if head else ""
-                aside += f"{ASIDE_PREFIX}{secrets.token_hex(8)}"
-                # Both names stay locked until the keys are recorded: an import
-                # listing meanwhile must not take the hidden name for a new file.
-                async with self._key_lock(key), self._key_lock(aside):
-                    await self.uploads.forget_sources(key)
-                    await self.backend.move(key, aside)
-                    keys[i] = aside
-                    await self.meta.set_attrs(row.ino, backend_keys=keys)
+                aside = await self._move_aside(row.ino, keys, i)
                 log.info("moved %s aside to %s: another file takes that name first", key, aside)
             if replaced:
                 keys = [k for k in keys if k not in replaced]
@@ -381,8 +371,42 @@ class Reconciler:
         await trio.sleep(min(DEFER_RETRY_S * (1 << min(waits // 20, 6)), PERSIST_BACKOFF_MAX_S))
         self._queue.enqueue(row.ino)  # runs again after this job ends
 
+    async def _move_aside(self, ino: int, keys: list[str], i: int) -> str:
+        """Move ``ino``'s object at ``keys[i]`` to a hidden key beside it and record it there.  With ``ns_lock``."""
+        key = keys[i]
+        head, _, _ = key.rpartition("/")
+        aside = f"{head}/" if head else ""
+        aside += f"{ASIDE_PREFIX}{secrets.token_hex(8)}"
+        # Both names stay locked until the keys are recorded: an import
+        # listing meanwhile must not take the hidden name for a new file.
+        async with self._key_lock(key), self._key_lock(aside):
+            await self.uploads.forget_sources(key)
+            await self.backend.move(key, aside)
+            keys[i] = aside
+            await self.meta.set_attrs(ino, backend_keys=keys)
+        return aside
+
+    async def _keep_aside(self, ino: int) -> None:
+        """An unlinked file still open: its objects leave its old names (another file may take them) but stay,
+        at hidden keys, for the reads of its open descriptors.  The last close queues it again to delete them.
+        With ``ns_lock``."""
+        keys = list((await self.meta.get_inode(ino)).backend_keys)
+        for i, key in enumerate(list(keys)):
+            if key.rpartition("/")[2].startswith(ASIDE_PREFIX):
+                continue
+            owner = await self._lookup_path(key)
+            if owner is not None and owner.state is not None and key in owner.backend_keys:
+                keys[i] = ""  # another file's object is there now: ours was replaced before we could move it
+                continue
+            await self._move_aside(ino, keys, i)
+        if "" in keys:
+            await self.meta.set_attrs(ino, backend_keys=[k for k in keys if k])
+
     async def _delete_all(self, row) -> None:
         async with self.ns_lock:
+            if self.host.is_open(row.ino) and stat.S_ISREG(row.mode):
+                await self._keep_aside(row.ino)
+                return
             for key in row.backend_keys:
                 await self._delete_key(key, row.ino)
             if not self.host.is_cached(row.ino):
@@ -524,7 +548,9 @@ class Reconciler:
             return marker
         try:
             row = await self.meta.get_inode(ino)
-            holds = row.nlink > 0 and row.state != STATE_BROKEN and not stat.S_ISDIR(row.mode)
+            # (an unlinked file still open holds its objects too, until they are moved aside)
+            holds = ((row.nlink > 0 or self.host.is_open(ino)) and row.state != STATE_BROKEN
+                     and not stat.S_ISDIR(row.mode))
             known = (holds, list(row.backend_keys))
         except NotFound:
             known = (False, [])

@@ -139,4 +139,6 @@ class ChunkFetcher:
                 # has the bytes does the caller get the error (and it is logged there).
                 log.info("%s; trying the next copy", exc)
                 last = exc
+        if last is None:
+            raise IntegrityError(f"chunk {index} has no copy in the backend (the file has no object there)")
         raise IntegrityError(str(last))

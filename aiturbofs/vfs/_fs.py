@@ -214,6 +214,10 @@ class Filesystem:
         """The persister's question: does the kernel or a handle still know ``ino``?"""
         return ino in self._inodes
 
+    def is_open(self, ino: int) -> bool:
+        node = self._inodes.get(ino)
+        return node is not None and node.opens > 0
+
     def unlinked_keys(self) -> set[str]:
         """Backend keys of unlinked inodes still open or known to the kernel (the importer must not revive them)."""
         return {k for node in list(self._inodes.values()) if node.row.nlink == 0 for k in node.row.backend_keys}
@@ -554,7 +558,8 @@ class Filesystem:
             node.row.nlink = row.nlink
             node.row.ctime_ns = row.ctime_ns
             await self._maybe_drop(node)
-        if row.nlink > 0 or node is None:
+        if row.nlink > 0 or node is None or self.is_open(row.ino):
+            # (still open: its objects move aside, readable through its descriptors, freeing its name)
             self.persister.enqueue(row.ino, moved=True)
 
     async def rmdir(self, parent: int, name: bytes) -> None:
@@ -600,6 +605,8 @@ class Filesystem:
             if node is not None:
                 node.row.nlink = replaced.nlink
                 await self._maybe_drop(node)
+                if self.is_open(replaced.ino):
+                    self.persister.enqueue(replaced.ino, moved=True)  # see unlink
             else:
                 self.persister.enqueue(replaced.ino, moved=True)
 

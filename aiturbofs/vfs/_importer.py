@@ -33,7 +33,7 @@ from .._limits import (
     NAME_BYTES_MAX,
 )
 from .._nursery import open_nursery
-from ..backend import NodeAttrs, ObjectInfo
+from ..backend import ASIDE_PREFIX, NodeAttrs, ObjectInfo
 from ..meta import ROOT_INO, STATE_DURABLE, InodeRow
 
 log = logging.getLogger(__name__)
@@ -200,6 +200,8 @@ class Importer:
             if not name or name in (b".", b"..") or b"\0" in name or len(name) > NAME_BYTES_MAX:
                 log.warning("import: skipping backend key %r (not a valid file name)", info.key)
                 continue
+            if name.startswith(ASIDE_PREFIX.encode()):
+                continue  # the persister's, not a file (see ASIDE_PREFIX)
             listed.add(name)
             row = existing.get(name)
             if row is None:
