@@ -204,6 +204,32 @@ def test_kill9_without_spill_loses_nothing_closed(s3m):
     assert not os.path.exists(m.staging_dir)  # all durable: the clean exit gave the DRAM back
 
 
+@pytest.mark.parametrize("datapath", ["auto", "pyfuse3"])
+def test_kill9_keeps_a_deduplicated_chunk_whose_home_was_written_again(s3m, datapath):
+    """A chunk two staged files share lives once, in the range of the file that sealed it first.  When
+    that file writes the chunk again, the other file's copy moves out first: it must outlive a kill -9
+    like the rest of the staged bytes.  It used to move into a buffer on the heap, and the file that
+    deduplicated into it came back broken (EIO) after the restart."""
+    m = s3m.mount(datapath=datapath, **NO_REIMPORT)
+    shared, other = secrets.token_bytes(CHUNK), secrets.token_bytes(4096)
+    os.listdir(m.mountpoint)  # (the root's import, before S3 stops answering)
+    s3m.server.freeze()  # everything stays staged
+    put(m.path("home.bin"), shared)
+    put(m.path("twin.bin"), shared)  # deduplicated into home.bin's range
+    with open(m.path("home.bin"), "r+b") as f:
+        f.write(other)  # the chunk's home is written again
+    m.kill()
+    s3m.server.thaw()
+    m2 = remount(s3m, m)
+    assert get(m2.path("twin.bin")) == shared
+    assert get(m2.path("home.bin")) == other + shared[4096:]
+    r = aiturbo("wait", m2.mountpoint, check=False, timeout=WAIT_S)
+    assert r.returncode == 0, r.stderr
+    assert s3m.objects()["twin.bin"] == shared
+    assert "broken" not in m2.log()
+    assert_no_bug(m2.log())
+
+
 def test_kill9_never_serves_bytes_written_after_the_last_close(s3m):
     """Bytes a writer left in a hole of its file's backing file, fd still open at the kill -9, were
     never committed: a restart must neither serve them nor persist them.  The old recovery kept
