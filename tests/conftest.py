@@ -24,7 +24,7 @@ def pytest_configure(config):
 # layers below the FUSE edge) run once, on the default data path (AITURBOFS_TEST_DATAPATH, else auto).
 BOTH_DATAPATHS = {"test_posix", "test_clients", "test_reads", "test_sparse", "test_security", "test_races",
                   "test_durability", "test_fuzz", "test_model", "test_staging",
-                  "test_integrity"}
+                  "test_integrity", "test_torture"}
 KERNEL_DATAPATH = "passthrough" if os.geteuid() == 0 and probe_passthrough().available else "kernel"
 
 

@@ -1,0 +1,348 @@
+"""Random file operations against an oracle: the worker of the differential torture suite.
+
+``python tests/torture.py DIR WORKER SEED OPS OUT`` runs ``OPS`` random
+operations on the files of ``DIR/w<WORKER>`` and pickles its oracle to
+``OUT``: what each name must hold (bytes and mode) if every operation's
+close returned.  Much of what it writes is the same across workers and
+files (whole chunks from a few shared templates, copies of other files,
+links), so deduplication, sealing and the pool's sharing of keys are hot.
+It checks every read it does through the mount against the oracle, and
+stops at the first error.
+
+If the mount goes away under it (a kill -9 of the daemon), the operation in
+flight has its before and after recorded (``maybe``): after a restart each
+of its names holds one or the other; every other name holds exactly the
+oracle's.  Used by tests/test_torture.py and by scripts/soak.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import pickle
+import random
+import sys
+import time
+
+CHUNK = 1 << 23
+MiB = 1 << 20
+NAMES = [f"f{i}" for i in range(5)]
+MODES = [0o600, 0o640, 0o644, 0o755, 0o700]
+SIZE_MAX = 3 * CHUNK + 3 * MiB
+# Errors that mean the daemon is gone (a kill -9): the run stops there, it is not a finding.
+GONE = {errno.ENOTCONN, errno.ECONNABORTED, errno.ECONNREFUSED}
+
+
+def templates() -> list[bytes]:
+    """Chunk-sized contents every worker shares (the same seed): whole chunks repeat across files."""
+    rnd = random.Random(20261204)
+    return [rnd.randbytes(CHUNK) for _ in range(4)]
+
+
+class Obj:
+    """One inode of the oracle: several names may share it (links)."""
+
+    __slots__ = ("data", "mode")
+
+    def __init__(self, data: bytes = b"", mode: int = 0o644):
+        self.data = bytearray(data)
+        self.mode = mode
+
+
+class Mismatch(AssertionError):
+    pass
+
+
+class Worker:
+    def __init__(self, root: str, seed: int):
+        self.root = root
+        self.rnd = random.Random(seed)
+        self.tpl = templates()
+        self.names: dict[str, Obj] = {}
+        self.ops = 0
+        self.bytes_written = 0
+        self.seen: dict[str, list] = {}  # name -> its states at the commit points of the operation in flight
+
+    # ----------------------------------------------------------- helpers
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def content(self) -> bytes:
+        """Something to write: template chunks (deduplicated), a few shared 1 MiB blocks, random bytes."""
+        r = self.rnd
+        kind = r.random()
+        if kind < 0.45:
+            return b"".join(r.choice(self.tpl) for _ in range(r.randint(1, 2))) + r.randbytes(r.randint(0, 200_000))
+        if kind < 0.7:
+            t = r.choice(self.tpl)
+            at = r.randrange(0, CHUNK - MiB, 4096)
+            return t[at : at + r.randint(1, 3) * MiB]
+        return r.randbytes(r.choice([1, 100, 4096, 65537, 300_000]))
+
+    def existing(self) -> str | None:
+        return self.rnd.choice(sorted(self.names)) if self.names else None
+
+    def check(self, name: str, fd: int | None = None) -> None:
+        want = self.names[name]
+        if fd is None:
+            with open(self.path(name), "rb") as f:
+                got = f.read()
+            mode = os.stat(self.path(name)).st_mode & 0o7777
+        else:
+            got = os.pread(fd, len(want.data) + 1, 0)
+            mode = os.fstat(fd).st_mode & 0o7777
+        if got != bytes(want.data):
+            at = next((i for i in range(min(len(got), len(want.data))) if got[i] != want.data[i]), None)
+            raise Mismatch(f"{self.path(name)} after op {self.ops}: {len(got)} bytes, want {len(want.data)}; "
+                           f"first difference at {at}")
+        if mode != want.mode:
+            raise Mismatch(f"{self.path(name)} after op {self.ops}: mode {mode:o}, want {want.mode:o}")
+
+    def committed(self, *names: str) -> None:
+        """A commit point just passed (close, fsync, truncate, a namespace change): what ``names`` hold
+        now is a state a crash may leave them in (linked names change together)."""
+        for n in names:
+            for m, o in self.names.items():
+                if n == m or (n in self.names and o is self.names[n]):
+                    self.seen.setdefault(m, []).append(self.state(m))
+            if n not in self.names:
+                self.seen.setdefault(n, []).append(None)
+
+    def state(self, name: str) -> tuple[bytes, int] | None:
+        o = self.names.get(name)
+        return None if o is None else (bytes(o.data), o.mode)
+
+    def _fsync(self, fd: int, name: str) -> None:
+        os.fsync(fd)
+        self.committed(name)
+
+    def _close(self, fd: int, *names: str) -> None:
+        os.close(fd)
+        self.committed(*names)
+
+    def _write_at(self, obj: Obj, fd: int, at: int, data: bytes, *, append: bool = False) -> None:
+        if append:
+            os.write(fd, data)
+        else:
+            os.pwrite(fd, data, at)
+        if at > len(obj.data):
+            obj.data.extend(bytes(at - len(obj.data)))
+        obj.data[at : at + len(data)] = data
+        self.bytes_written += len(data)
+
+    # ----------------------------------------------------------- operations
+    def op_create(self) -> list[str]:
+        """open(O_CREAT|O_TRUNC), buffered writes of a few MB, maybe fsync, close: a checkpoint."""
+        name = self.rnd.choice(NAMES)
+        data = b"".join(self.content() for _ in range(self.rnd.randint(1, 3)))[:SIZE_MAX]
+        obj = self.names.get(name) or Obj(mode=self.rnd.choice(MODES))
+        fd = os.open(self.path(name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, obj.mode)
+        try:
+            self.names[name] = obj
+            obj.data.clear()
+            self.committed(name)
+            for at in range(0, len(data), 3_000_000):
+                self._write_at(obj, fd, at, data[at : at + 3_000_000])
+            if self.rnd.random() < 0.5:
+                self._fsync(fd, name)
+        finally:
+            self._close(fd, name)
+        return [name]
+
+    def op_pwrite(self) -> list[str]:
+        name = self.existing()
+        if name is None:
+            return self.op_create()
+        obj = self.names[name]
+        flags = self.rnd.choice([os.O_WRONLY, os.O_RDWR])
+        fd = os.open(self.path(name), flags)
+        try:
+            for _ in range(self.rnd.randint(1, 3)):
+                data = self.content()
+                if self.rnd.random() < 0.3:
+                    at = self.rnd.randrange(0, 3) * CHUNK  # a whole chunk in place
+                    data = self.rnd.choice(self.tpl)
+                else:
+                    at = self.rnd.randrange(0, len(obj.data) + 2 * MiB)
+                if at + len(data) <= SIZE_MAX:
+                    self._write_at(obj, fd, at, data)
+            if self.rnd.random() < 0.3:
+                self._fsync(fd, name)
+            if flags == os.O_RDWR and self.rnd.random() < 0.3:
+                self.check(name, fd)
+        finally:
+            self._close(fd, name)
+        return [name]
+
+    def op_append(self) -> list[str]:
+        name = self.existing()
+        if name is None:
+            return self.op_create()
+        obj = self.names[name]
+        data = self.content()[: max(0, SIZE_MAX - len(obj.data))]
+        fd = os.open(self.path(name), os.O_WRONLY | os.O_APPEND)
+        try:
+            self._write_at(obj, fd, len(obj.data), data, append=True)
+        finally:
+            self._close(fd, name)
+        return [name]
+
+    def op_truncate(self) -> list[str]:
+        name = self.existing()
+        if name is None:
+            return []
+        obj = self.names[name]
+        size = self.rnd.choice([0, self.rnd.randrange(0, len(obj.data) + 1),
+                                min(SIZE_MAX, len(obj.data) + self.rnd.randrange(1, CHUNK + MiB))])
+        os.truncate(self.path(name), size)
+        del obj.data[size:]
+        obj.data.extend(bytes(size - len(obj.data)))
+        self.committed(name)
+        return [name]
+
+    def op_mmap(self) -> list[str]:
+        """A write through a shared mapping (no WRITE request at all on some paths)."""
+        name = self.existing()
+        if name is None or not self.names[name].data:
+            return []
+        obj = self.names[name]
+        fd = os.open(self.path(name), os.O_RDWR)
+        try:
+            with mmap.mmap(fd, len(obj.data)) as m:
+                at = self.rnd.randrange(0, len(obj.data))
+                data = self.rnd.randbytes(min(len(obj.data) - at, self.rnd.choice([1, 5000, 70_000])))
+                m[at : at + len(data)] = data
+                obj.data[at : at + len(data)] = data
+                if self.rnd.random() < 0.5:
+                    m.flush()  # msync: an fsync of the file
+                    self.committed(name)
+        finally:
+            self._close(fd, name)
+        return [name]
+
+    def op_rename(self) -> list[str]:
+        a, b = self.existing(), self.rnd.choice(NAMES)
+        if a is None or a == b:
+            return []
+        os.rename(self.path(a), self.path(b))
+        if self.names.get(b) is self.names[a]:
+            return []  # two links to one inode: POSIX rename does nothing
+        self.names[b] = self.names.pop(a)
+        self.committed(a, b)
+        return [a, b]
+
+    def op_link(self) -> list[str]:
+        a = self.existing()
+        free = [n for n in NAMES if n not in self.names]
+        if a is None or not free:
+            return []
+        b = self.rnd.choice(free)
+        os.link(self.path(a), self.path(b))
+        self.names[b] = self.names[a]
+        self.committed(b)
+        return [a, b]
+
+    def op_unlink_open(self) -> list[str]:
+        """Unlink a file that is open, keep writing and reading it through the descriptor."""
+        name = self.existing()
+        if name is None:
+            return []
+        obj = self.names[name]
+        others = [n for n, o in self.names.items() if o is obj and n != name]
+        fd = os.open(self.path(name), os.O_RDWR)
+        try:
+            os.unlink(self.path(name))
+            del self.names[name]
+            self.committed(name)
+            self._write_at(obj, fd, self.rnd.randrange(0, len(obj.data) + 1), self.content()[:MiB])
+            got = os.pread(fd, len(obj.data) + 1, 0)
+            if got != bytes(obj.data):
+                raise Mismatch(f"{self.path(name)} (unlinked, open) after op {self.ops}: other bytes")
+        finally:
+            self._close(fd, *others)
+        return [name] + others
+
+    def op_chmod(self) -> list[str]:
+        name = self.existing()
+        if name is None:
+            return []
+        mode = self.rnd.choice(MODES)
+        os.chmod(self.path(name), mode)
+        self.names[name].mode = mode
+        self.committed(*[n for n, o in self.names.items() if o is self.names[name]])
+        return [name]
+
+    def op_copy(self) -> list[str]:
+        """Read one file through the mount (checked) and write it to another name: dedup of a whole file."""
+        a, b = self.existing(), self.rnd.choice(NAMES)
+        if a is None or a == b:
+            return []
+        self.check(a)
+        data = bytes(self.names[a].data)
+        obj = self.names.get(b) or Obj(mode=0o644)
+        fd = os.open(self.path(b), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, obj.mode)
+        try:
+            self.names[b] = obj
+            obj.data.clear()
+            self.committed(b)
+            self._write_at(obj, fd, 0, data)
+        finally:
+            self._close(fd, b)
+        return [b]
+
+    def op_check(self) -> list[str]:
+        name = self.existing()
+        if name is not None:
+            if self.rnd.random() < 0.5:
+                self.check(name)
+            else:  # a fresh open beside one held open
+                fd = os.open(self.path(name), os.O_RDONLY)
+                try:
+                    self.check(name)
+                    self.check(name, fd)
+                finally:
+                    os.close(fd)
+        return []
+
+    OPS = [("create", 6), ("pwrite", 6), ("append", 2), ("truncate", 2), ("mmap", 2), ("rename", 2),
+           ("link", 1), ("unlink_open", 1), ("chmod", 2), ("copy", 2), ("check", 3)]
+
+    def run(self, count: int) -> dict:
+        """``count`` operations; the oracle, and the before/after of an operation the daemon's end cut."""
+        names, weights = zip(*self.OPS)
+        maybe: dict[str, list] = {}
+        for self.ops in range(count):
+            op = self.rnd.choices(names, weights)[0]
+            before = {n: self.state(n) for n in NAMES}
+            self.seen = {}
+            try:
+                getattr(self, f"op_{op}")()
+            except OSError as exc:
+                if exc.errno not in GONE:
+                    raise
+                # The daemon went away mid-operation: a name it touched holds what it held before, or
+                # what it held at one of the operation's commit points; nothing else.
+                for n in NAMES:
+                    if n in self.seen or before[n] != self.state(n):
+                        maybe[n] = [before[n], *self.seen.get(n, [])]
+                break
+        oracle = {n: self.state(n) for n in NAMES if n not in maybe}
+        return {"oracle": oracle, "maybe": maybe, "ops": self.ops + 1, "bytes": self.bytes_written}
+
+
+def main(argv: list[str]) -> int:
+    directory, worker, seed, count, out = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
+    root = os.path.join(directory, f"w{worker}")
+    os.makedirs(root, exist_ok=True)
+    w = Worker(root, seed * 1000 + worker)
+    started = time.monotonic()
+    result = w.run(count)
+    result["seconds"] = time.monotonic() - started
+    with open(out, "wb") as f:
+        pickle.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
