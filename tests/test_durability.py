@@ -696,7 +696,8 @@ def fake_fs(meta=None):
     errors = []
     return SimpleNamespace(meta=meta, pool=None, cluster=SingleNode(), backend=None, errors=errors,
                            options=SimpleNamespace(persist_retry_window_s=0.0),
-                           record_error=lambda msg, event=None: errors.append(msg))
+                           record_error=lambda msg, event=None: errors.append(msg),
+                           is_open=lambda ino: False)
 
 
 def test_broken_marks_the_version_that_failed_not_a_newer_one():

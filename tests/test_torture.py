@@ -34,6 +34,13 @@ WORKERS = 4
 OPS = 60
 # (backend, dram, spill dir, seed): each on every data path.  A seed that ever failed is added here.
 CASES = [("file", "64M", True, 1), ("file", "64M", True, 2), ("s3", "64M", False, 1), ("file", "1G", False, 2)]
+KILL_SEEDS = [11, 12]
+# scripts/soak.py: one seed of its own on each kind of case, and more operations
+if os.environ.get("AITURBOFS_TORTURE_SEED"):
+    _seed = int(os.environ["AITURBOFS_TORTURE_SEED"])
+    CASES = sorted({(b, d, s, _seed) for b, d, s, _ in CASES})
+    KILL_SEEDS = [_seed]
+OPS = int(os.environ.get("AITURBOFS_TORTURE_OPS", OPS))
 
 
 def run_workers(root: str, seed: int, out_dir: str, *, ops: int = OPS, workers: int = WORKERS,
@@ -160,7 +167,7 @@ def test_random_operations_of_four_processes_land_exact(seed, backend, dram, spi
     no_bug_in(fresh)
 
 
-@pytest.mark.parametrize("seed", [11, 12])
+@pytest.mark.parametrize("seed", KILL_SEEDS)
 def test_a_kill_9_at_a_random_moment_serves_only_what_was_written(seed, datapath, make_mount, tmp_path):
     (tmp_path / "backend").mkdir()
     url = f"file://{tmp_path / 'backend'}"

@@ -1,10 +1,8 @@
 """Recovery after a restart: resume the persists of staged files whose bytes survived.
 
 A chunk counts as found where its bytes hash (BLAKE3) to the manifest: in
-the file's own backing file, the spill store, a chunk's own file (one kept
-when its home range was written again, or a replica), or (a chunk
-deduplicated into another file's range) another backing file the previous
-run left.  A file
+the file's own backing file, the spill store, or (a chunk deduplicated into
+another file's range) another backing file the previous run left.  A file
 none of whose copies survived (and that no replica holds) is broken, unless
 its upload made it to the backend before the daemon stopped.
 """
@@ -57,10 +55,6 @@ class Recovery:
                 length = chunk.chunk_length(row.size, index)
                 if backing is None or not await self._recover_range(backing, index, k, length, held):
                     wanted[k] = length
-        for k in [k for k in wanted if k in staging.found_replicas]:
-            # a chunk kept in a file of its own (its home range was written again; or a replica)
-            if await self._recover_range(staging.replica(k), 0, k, wanted[k], held):
-                del wanted[k]
         for ino in sorted(staging.found - {row.ino for row in rows}):
             if not wanted:
                 break

@@ -288,11 +288,6 @@ class BackingArea:
         """The backing file of the replica of chunk ``key`` (its range 0)."""
         return self._get(_replica_name(key), None)
 
-    def kept(self, key: bytes) -> BackingFile:
-        """The backing file of chunk ``key`` kept on its own (its range 0): a staged chunk whose range its
-        file writes again.  Named like a replica's (``found_replicas`` after a restart): one chunk by its digest."""
-        return self.replica(key)
-
     def _get(self, name: str, ino: int | None) -> BackingFile:
         f = self._files.get(name)
         if f is None:

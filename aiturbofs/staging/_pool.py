@@ -416,9 +416,10 @@ class StagingPool:
         was there: reserve one), and the key and length of the bytes left
         there (None, 0: nothing to keep).  The bytes stay where they are.  An entry
         still pinned keeps its bytes elsewhere: in its spill file if it has
-        one, else in a backing file of its own (``BackingArea.keep``: it
-        survives a daemon crash like the rest of the staged bytes, and
-        recovery finds it by its name), which may wait for memory.
+        one, else in a buffer of its own, which may wait for memory, and
+        which is written to the spill store before this returns: another
+        file may have deduplicated into the range, and a daemon crash must
+        not lose its only copy (recovery finds it in the spill store).
         """
         while True:
             e = rng.entry
@@ -429,37 +430,27 @@ class StagingPool:
             if e.leases:
                 await self._unleased(e)  # a reader maps the range: it must not change under it
                 continue
-            kept = None
             if e.pins and not e.spilled:
-                room_ = _charge_of(e.length)
-                e.leases += 1  # not evicted (punched) while we wait for the memory
+                e.leases += 1  # not evicted (punched) while we wait for the buffer
                 try:
-                    await self.reserve(room_)
+                    buf = await self.alloc(_charge_of(e.length))
                 finally:
                     self._let_go(e)
                 if rng.entry is not e or e.leases:
-                    self.unreserve(room_)
+                    self.release(buf)
                     continue
                 data = self._range_copy(e)
                 if data is None:  # the kernel changed it meanwhile: nothing of it to keep
-                    self.unreserve(room_)
+                    self.release(buf)
                     continue
-                kept = rng.file.area.kept(e.key).range(0)
-                try:
-                    kept.pwrite(0, data)
-                except BaseException:
-                    self.unreserve(room_)
-                    self._punch(kept)
-                    raise
-            charge = e.charge
+                buf[: e.length] = data
+                e.buf = buf
+            charge, e.charge = e.charge, (len(e.buf) if e.buf is not None else 0)
             e.rng = rng.entry = None
-            e.charge = 0
-            e.volatile = False  # (checked above) its own file, or nowhere
-            if kept is not None:
-                e.rng, e.charge = kept, room_
-                kept.entry = e
-                self._note_sealed(e)
+            e.volatile = False  # (checked above) a buffer, or nowhere
             self._place(e)
+            if e.buf is not None and e.pins and not e.spilled:
+                await self._spill_entry(e)  # (a failure is logged there: the buffer still has the bytes)
             return charge, e.key, e.length
 
     async def _unleased(self, e: Entry) -> None:
