@@ -97,7 +97,7 @@ PERSIST_BACKOFF_JITTER = 0.5  # a retry sleeps backoff x uniform(1 - this, 1): f
 # jittered): about 3 s in all before the reader gets EIO.
 READ_RETRY_ATTEMPTS = 5
 READ_RETRY_FIRST_S = 0.2
-PERSIST_PARTS_UNPOOLED_MAX = 4  # parts uploading at once whose chunk is not in DRAM (read back from spill or the backend outside the budget)
+PERSIST_PARTS_COPIED_MAX = 4  # parts uploading at once from a copy of their chunk in the heap (a backing-file range's copy, or one read back from spill or the backend): outside the budget
 S3_STALE_UPLOADS_MAX = 1024  # multipart uploads whose abort failed, kept to abort again once S3 answers (oldest forgotten)
 # A backend that does not answer (refused, or a brownout: connections accepted, no reply)
 # is "unavailable": the mount still comes up and serves from the metadata and the pool.

@@ -37,8 +37,8 @@ from .._limits import (
     CLUSTER_SOURCE_POLL_S,
     CLUSTER_SOURCE_WAIT_S,
     PEER_UPLOAD_PART_TIMEOUT_S,
+    PERSIST_PARTS_COPIED_MAX,
     PERSIST_PARTS_IN_FLIGHT,
-    PERSIST_PARTS_UNPOOLED_MAX,
     PERSIST_WIDE_PARTS_IN_FLIGHT,
 )
 from .._nursery import open_nursery
@@ -81,12 +81,15 @@ class Uploads:
         # Cluster: how the round plan splits an inode's upload, for one version.
         self.hints: dict[int, tuple[int, PersistHints]] = {}
         self._copy_warned = False
-        # A chunk no longer in DRAM (spilled, or evicted after an earlier
-        # version went durable) is read back into a buffer outside the pool's
-        # budget when the pool is full of staged data: with every file and
-        # part in flight doing that, the daemon could hold 16 such chunks
-        # (128 MiB) beyond ``-o dram``.  This bounds them (see docs/memory.md).
-        self._unpooled_parts = trio.Semaphore(PERSIST_PARTS_UNPOOLED_MAX)
+        # A part is sent from a copy of its chunk in the heap, outside the
+        # pool's budget, unless the pool holds the chunk in a buffer: a
+        # backing file's range is copied (it may be punched or written under
+        # a map, and the copy is what hashes to the key), and a chunk no
+        # longer in DRAM (spilled, or evicted after an earlier version went
+        # durable) is read back.  With every file and part in flight doing
+        # that, the daemon held 16 such chunks (128 MiB) beyond ``-o dram``.
+        # This bounds them (see docs/memory.md).
+        self._copied_parts = trio.Semaphore(PERSIST_PARTS_COPIED_MAX)
         # Wide parts (files of more chunks than the backend has parts) are
         # assembled in a buffer of their own, outside the pool: bounded node-wide.
         self._wide_parts = trio.Semaphore(PERSIST_WIDE_PARTS_IN_FLIGHT)
@@ -226,11 +229,11 @@ class Uploads:
 
     @asynccontextmanager
     async def _part_memory(self, key: bytes):
-        """Hold one of PERSIST_PARTS_UNPOOLED_MAX slots if ``key`` must be read back into memory."""
-        if self.pool.has(key):
-            yield  # in DRAM: uploaded from the pool's own memory
+        """Hold one of PERSIST_PARTS_COPIED_MAX slots if the lease of ``key`` is a copy in the heap."""
+        if self.pool.lends(key):
+            yield  # in a buffer: uploaded from the pool's own memory
             return
-        async with self._unpooled_parts:
+        async with self._copied_parts:
             yield
 
     async def _part_plan(self, row, target: str, keys: list[bytes]) -> _PartPlan | None:

@@ -667,6 +667,11 @@ class StagingPool:
         e = self._entries.get(key)
         return e is not None and e.resident
 
+    def lends(self, key: bytes) -> bool:
+        """Whether ``lease`` of the chunk lends memory the pool holds (a buffer), not a copy."""
+        e = self._entries.get(key)
+        return e is not None and e.buf is not None
+
     def view(self, key: bytes, start: int = 0, count: int | None = None):
         """The chunk's bytes ``[start, start + count)`` if in memory (valid until the next await)."""
         e = self._entries.get(key)
