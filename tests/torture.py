@@ -12,7 +12,12 @@ stops at the first error.
 If the mount goes away under it (a kill -9 of the daemon), the operation in
 flight has its before and after recorded (``maybe``): after a restart each
 of its names holds one or the other; every other name holds exactly the
-oracle's.  Used by tests/test_torture.py and by scripts/soak.py.
+oracle's.  A store through a mapping of a file whose daemon is gone ends
+the process with SIGBUS (the kernel cannot fill the page), so the worker
+writes the result such a death leaves to ``OUT.cut`` before every such
+store: the names of that file may hold their bytes before it with any
+prefix of the store applied (see ``allows``).  Used by tests/test_torture.py
+and by scripts/soak.py.
 """
 
 from __future__ import annotations
@@ -54,9 +59,29 @@ class Mismatch(AssertionError):
     pass
 
 
+def allows(allowed, got, modes: bool = True) -> bool:
+    """Whether the state ``got`` (``(bytes, mode)`` or None) is the allowed state ``allowed``: a
+    state, or ``("prefix", before, mode, at, data)``, a store through a mapping that a kill cut: the
+    file held ``before`` and a prefix of ``data`` (none, part or all) landed at ``at``."""
+    if got is None or allowed is None:
+        return got is None and allowed is None
+    if allowed[0] != "prefix":
+        return got[0] == allowed[0] and (not modes or got[1] == allowed[1])
+    _, before, mode, at, data = allowed
+    g = got[0]
+    if len(g) != len(before) or (modes and got[1] != mode):
+        return False
+    end = at + len(data)
+    if g[:at] != before[:at] or g[end:] != before[end:]:
+        return False
+    k = next((i for i in range(len(data)) if g[at + i] != data[i]), len(data))
+    return g[at + k : end] == before[at + k : end]
+
+
 class Worker:
-    def __init__(self, root: str, seed: int):
+    def __init__(self, root: str, seed: int, cut_out: str | None = None):
         self.root = root
+        self.cut_out = cut_out
         self.rnd = random.Random(seed)
         self.tpl = templates()
         self.names: dict[str, Obj] = {}
@@ -100,8 +125,9 @@ class Worker:
             raise Mismatch(f"{self.path(name)} after op {self.ops}: mode {mode:o}, want {want.mode:o}")
 
     def committed(self, *names: str) -> None:
-        """A commit point just passed (close, fsync, truncate, a namespace change): what ``names`` hold
-        now is a state a crash may leave them in (linked names change together)."""
+        """A commit point (close, fsync, truncate, a namespace change) is about to pass: what ``names``
+        hold now is a state a crash may leave them in (linked names change together).  Called before
+        the call it names: the daemon may commit and die before it answers."""
         for n in names:
             for m, o in self.names.items():
                 if n == m or (n in self.names and o is self.names[n]):
@@ -114,12 +140,12 @@ class Worker:
         return None if o is None else (bytes(o.data), o.mode)
 
     def _fsync(self, fd: int, name: str) -> None:
-        os.fsync(fd)
         self.committed(name)
+        os.fsync(fd)
 
     def _close(self, fd: int, *names: str) -> None:
-        os.close(fd)
         self.committed(*names)
+        os.close(fd)
 
     def _write_at(self, obj: Obj, fd: int, at: int, data: bytes, *, append: bool = False) -> None:
         if append:
@@ -131,17 +157,21 @@ class Worker:
         obj.data[at : at + len(data)] = data
         self.bytes_written += len(data)
 
+    def _truncating_open(self, name: str, obj: Obj) -> int:
+        """open(O_CREAT|O_TRUNC) of ``name``, which then holds ``obj`` emptied."""
+        self.names[name] = obj
+        obj.data.clear()
+        self.committed(name)
+        return os.open(self.path(name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, obj.mode)
+
     # ----------------------------------------------------------- operations
     def op_create(self) -> list[str]:
         """open(O_CREAT|O_TRUNC), buffered writes of a few MB, maybe fsync, close: a checkpoint."""
         name = self.rnd.choice(NAMES)
         data = b"".join(self.content() for _ in range(self.rnd.randint(1, 3)))[:SIZE_MAX]
         obj = self.names.get(name) or Obj(mode=self.rnd.choice(MODES))
-        fd = os.open(self.path(name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, obj.mode)
+        fd = self._truncating_open(name, obj)
         try:
-            self.names[name] = obj
-            obj.data.clear()
-            self.committed(name)
             for at in range(0, len(data), 3_000_000):
                 self._write_at(obj, fd, at, data[at : at + 3_000_000])
             if self.rnd.random() < 0.5:
@@ -195,10 +225,10 @@ class Worker:
         obj = self.names[name]
         size = self.rnd.choice([0, self.rnd.randrange(0, len(obj.data) + 1),
                                 min(SIZE_MAX, len(obj.data) + self.rnd.randrange(1, CHUNK + MiB))])
-        os.truncate(self.path(name), size)
         del obj.data[size:]
         obj.data.extend(bytes(size - len(obj.data)))
         self.committed(name)
+        os.truncate(self.path(name), size)
         return [name]
 
     def op_mmap(self) -> list[str]:
@@ -212,24 +242,42 @@ class Worker:
             with mmap.mmap(fd, len(obj.data)) as m:
                 at = self.rnd.randrange(0, len(obj.data))
                 data = self.rnd.randbytes(min(len(obj.data) - at, self.rnd.choice([1, 5000, 70_000])))
+                self._may_die_in_store(obj, at, data)
                 m[at : at + len(data)] = data
                 obj.data[at : at + len(data)] = data
                 if self.rnd.random() < 0.5:
-                    m.flush()  # msync: an fsync of the file
                     self.committed(name)
+                    m.flush()  # msync: an fsync of the file
+                self._survived_store()
         finally:
             self._close(fd, name)
         return [name]
+
+    def _may_die_in_store(self, obj: Obj, at: int, data: bytes) -> None:
+        """Write what this worker's result is if the store about to happen kills it (SIGBUS)."""
+        if self.cut_out is None:
+            return
+        cut = ("prefix", bytes(obj.data), obj.mode, at, data)
+        result = {"oracle": {n: self.state(n) for n in NAMES if self.names.get(n) is not obj},
+                  "maybe": {n: [cut] for n, o in self.names.items() if o is obj},
+                  "ops": self.ops + 1, "bytes": self.bytes_written}
+        with open(self.cut_out, "wb") as f:
+            pickle.dump(result, f)
+
+    def _survived_store(self) -> None:
+        if self.cut_out is not None:
+            os.unlink(self.cut_out)
 
     def op_rename(self) -> list[str]:
         a, b = self.existing(), self.rnd.choice(NAMES)
         if a is None or a == b:
             return []
-        os.rename(self.path(a), self.path(b))
         if self.names.get(b) is self.names[a]:
+            os.rename(self.path(a), self.path(b))
             return []  # two links to one inode: POSIX rename does nothing
         self.names[b] = self.names.pop(a)
         self.committed(a, b)
+        os.rename(self.path(a), self.path(b))
         return [a, b]
 
     def op_link(self) -> list[str]:
@@ -238,9 +286,9 @@ class Worker:
         if a is None or not free:
             return []
         b = self.rnd.choice(free)
-        os.link(self.path(a), self.path(b))
         self.names[b] = self.names[a]
         self.committed(b)
+        os.link(self.path(a), self.path(b))
         return [a, b]
 
     def op_unlink_open(self) -> list[str]:
@@ -252,9 +300,9 @@ class Worker:
         others = [n for n, o in self.names.items() if o is obj and n != name]
         fd = os.open(self.path(name), os.O_RDWR)
         try:
-            os.unlink(self.path(name))
             del self.names[name]
             self.committed(name)
+            os.unlink(self.path(name))
             self._write_at(obj, fd, self.rnd.randrange(0, len(obj.data) + 1), self.content()[:MiB])
             got = os.pread(fd, len(obj.data) + 1, 0)
             if got != bytes(obj.data):
@@ -268,9 +316,9 @@ class Worker:
         if name is None:
             return []
         mode = self.rnd.choice(MODES)
-        os.chmod(self.path(name), mode)
         self.names[name].mode = mode
-        self.committed(*[n for n, o in self.names.items() if o is self.names[name]])
+        self.committed(name)
+        os.chmod(self.path(name), mode)
         return [name]
 
     def op_copy(self) -> list[str]:
@@ -281,11 +329,8 @@ class Worker:
         self.check(a)
         data = bytes(self.names[a].data)
         obj = self.names.get(b) or Obj(mode=0o644)
-        fd = os.open(self.path(b), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, obj.mode)
+        fd = self._truncating_open(b, obj)
         try:
-            self.names[b] = obj
-            obj.data.clear()
-            self.committed(b)
             self._write_at(obj, fd, 0, data)
         finally:
             self._close(fd, b)
@@ -321,6 +366,9 @@ class Worker:
             except OSError as exc:
                 if exc.errno not in GONE:
                     raise
+                if self.cut_out is not None and os.path.exists(self.cut_out):
+                    with open(self.cut_out, "rb") as f:  # it went away in (or right after) a store
+                        return pickle.load(f)
                 # The daemon went away mid-operation: a name it touched holds what it held before, or
                 # what it held at one of the operation's commit points; nothing else.
                 for n in NAMES:
@@ -335,7 +383,7 @@ def main(argv: list[str]) -> int:
     directory, worker, seed, count, out = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
     root = os.path.join(directory, f"w{worker}")
     os.makedirs(root, exist_ok=True)
-    w = Worker(root, seed * 1000 + worker)
+    w = Worker(root, seed * 1000 + worker, cut_out=out + ".cut")
     started = time.monotonic()
     result = w.run(count)
     result["seconds"] = time.monotonic() - started
