@@ -218,14 +218,42 @@ class MetaConformance:
             await store.record_chunk_sources("k", "e", [(HASH_A, 0, 9)])
             assert await store.chunk_sources([HASH_A]) == {HASH_A: ChunkSource("k", 0, 9, "e")}
             assert (await store.create(ROOT_INO, b"g", file_row())).ino == 3
+            await store.rename(ROOT_INO, b"g", ROOT_INO, b"h")  # v3: the moves table
+            assert await store.moves() == [(3, 1, None)]
         finally:
             await store.close()
-        assert raw_sql("SELECT version FROM meta_schema") == [(2,)]
-        again = await open_store(meta_url)  # finds v2: nothing left to migrate
+        assert raw_sql("SELECT version FROM meta_schema") == [(3,)]
+        again = await open_store(meta_url)  # finds v3: nothing left to migrate
         try:
             assert (await again.lookup(ROOT_INO, b"f")).owner == "n1"
         finally:
             await again.close()
+
+    @trio_test
+    async def test_name_changes_are_noted_until_the_persister_lets_them_go(self, store):
+        """rename, link, an unlink that leaves a name and a directory rename note a pending move in the
+        same transaction; ``moves_done`` forgets it only at the generation it was read at."""
+        f = await store.create(ROOT_INO, b"f", file_row())
+        g = await store.create(ROOT_INO, b"g", file_row())
+        d = await store.create(ROOT_INO, b"d", dir_row())
+        assert await store.moves() == []
+        await store.rename(ROOT_INO, b"f", ROOT_INO, b"f2")
+        await store.link(g.ino, ROOT_INO, b"g2")
+        await store.rename(ROOT_INO, b"d", ROOT_INO, b"d2")
+        await store.rename(ROOT_INO, b"d2", ROOT_INO, b"d3")  # the first old path stays: the backend has it
+        assert await store.moves() == [(f.ino, 1, None), (g.ino, 1, None), (d.ino, 2, "d")]
+        await store.moves_done(f.ino, 1)
+        await store.unlink(ROOT_INO, b"g")  # g2 stays: its object at g goes
+        assert await store.move_of(g.ino) == (2, None)
+        await store.moves_done(g.ino, 1)  # read before the unlink: a newer change is still pending
+        assert await store.move_of(g.ino) == (2, None)
+        await store.moves_done(g.ino, 2)
+        assert await store.move_of(g.ino) is None
+        await store.moves_add([g.ino])
+        await store.unlink(ROOT_INO, b"g2")  # the last name: an orphan, found at start anyway
+        assert await store.move_of(g.ino) == (1, None)
+        await store.delete_inode(g.ino)
+        assert await store.moves() == [(d.ino, 2, "d")]
 
     # --- create / lookup / get_inode --------------------------------------------------
 

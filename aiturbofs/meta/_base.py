@@ -335,6 +335,24 @@ class MetaStore(ABC):
         """Every inode with nlink 0: unlinked while open, then not deleted."""
 
     @abstractmethod
+    async def moves(self) -> list[tuple[int, int, str | None]]:
+        """``(ino, gen, dir_path)`` of every inode whose names changed (rename, link, an unlink that
+        left a name) since ``moves_done``: the persister has yet to make the backend match them.
+        ``dir_path``: a renamed directory's path before its first such rename; None for files."""
+
+    @abstractmethod
+    async def move_of(self, ino: int) -> tuple[int, str | None] | None:
+        """``(gen, dir_path)`` of ``ino``'s pending move (see ``moves``), or None."""
+
+    @abstractmethod
+    async def moves_add(self, inos: Sequence[int]) -> None:
+        """Note a pending move of each of ``inos`` (files below a renamed directory)."""
+
+    @abstractmethod
+    async def moves_done(self, ino: int, gen: int) -> None:
+        """The backend matches ``ino``'s names as of ``gen``: forget its move unless a newer one came."""
+
+    @abstractmethod
     async def delete_inode(self, ino: int) -> None:
         """Drop the row of an unlinked inode with its manifest and xattrs.
 

@@ -39,8 +39,18 @@ Schema (version ``SCHEMA_VERSION``):
 - ``chunk_sources``: ``chunk_key -> (backend_key, offset, length, etag)``,
   where a chunk's bytes already are in the backend (dedup by server-side
   copy); indexed by ``backend_key`` to forget an object's chunks at once.
+- ``moves``: ``ino -> (gen, dir_path)``, inodes whose names changed
+  (rename, link, an unlink that leaves a name) since the persister last
+  made the backend match them: their objects may sit at names they no
+  longer have, and a restart must move them on, not import them as new
+  files.  Written in the same transaction as the name change; ``gen``
+  grows with each change, so the persister lets go only of what it
+  reconciled (``moves_done``).  ``dir_path`` is a renamed directory's path
+  before its first pending rename (its backend form to clean up), NULL
+  for files.
 - ``meta_schema``: one row, the schema version.  v2 added ``owner`` and
-  ``holders`` to ``inodes`` and the ``nodes`` and ``chunk_sources`` tables.
+  ``holders`` to ``inodes`` and the ``nodes`` and ``chunk_sources`` tables;
+  v3 the ``moves`` table.
 """
 
 from __future__ import annotations
@@ -84,7 +94,7 @@ from ._base import (
     NodeRow,
 )
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _COLS = ", ".join(INODE_FIELDS)
 _ICOLS = ", ".join("i." + name for name in INODE_FIELDS)
@@ -310,7 +320,12 @@ class SqlMetaStore(MetaStore):
                 ino {i} NOT NULL, name {b} NOT NULL, value {b} NOT NULL,
                 PRIMARY KEY (ino, name))""",
             *self._cluster_schema(),
+            self._moves_schema(),
         ]
+
+    def _moves_schema(self) -> str:
+        """The DDL of the table v3 added."""
+        return f"CREATE TABLE moves (ino {self.INT} PRIMARY KEY, gen {self.INT} NOT NULL, dir_path TEXT)"
 
     def _cluster_schema(self) -> list[str]:
         """The DDL of the tables v2 added, in creation order."""
@@ -367,6 +382,8 @@ class SqlMetaStore(MetaStore):
                 tx.run(f"ALTER TABLE inodes ADD COLUMN {column}")
             for ddl in self._cluster_schema():
                 tx.run(ddl)
+        if from_version < 3:  # names changed but not yet in the backend: none known
+            tx.run(self._moves_schema())
         tx.run("UPDATE meta_schema SET version = ?", SCHEMA_VERSION)
 
     # --- shared transaction pieces ----------------------------------------------------
@@ -442,7 +459,21 @@ class SqlMetaStore(MetaStore):
             ino,
         )
 
+    def _note_move(self, tx: Tx, ino: int, *, is_dir: bool = False) -> None:
+        """``ino``'s names are about to change: remember it in ``moves`` (a directory with its path now)."""
+        dir_path = None
+        if is_dir:
+            paths = self._tx_paths_of(tx, ino)
+            dir_path = paths[0] if paths else None
+        tx.run(
+            "INSERT INTO moves (ino, gen, dir_path) VALUES (?, 1, ?) ON CONFLICT (ino) DO UPDATE"
+            " SET gen = moves.gen + 1, dir_path = COALESCE(moves.dir_path, excluded.dir_path)",
+            ino,
+            dir_path,
+        )
+
     def _drop_inode(self, tx: Tx, ino: int) -> None:
+        tx.run("DELETE FROM moves WHERE ino = ?", ino)
         tx.run("DELETE FROM xattrs WHERE ino = ?", ino)
         tx.run("DELETE FROM inodes WHERE ino = ?", ino)
 
@@ -604,6 +635,7 @@ class SqlMetaStore(MetaStore):
         now = self._now_ns()
         tx.run("INSERT INTO dentries (parent, name, ino) VALUES (?, ?, ?)", new_parent, new_name, ino)
         self._touch_dir(tx, new_parent, now)
+        self._note_move(tx, ino)
         return self._add_links(tx, ino, +1, now)
 
     async def unlink(self, parent: int, name: bytes) -> InodeRow:
@@ -617,6 +649,8 @@ class SqlMetaStore(MetaStore):
         now = self._now_ns()
         tx.run("DELETE FROM dentries WHERE parent = ? AND name = ?", parent, name)
         self._touch_dir(tx, parent, now)
+        if row.nlink > 1:  # (the last name's inode is an orphan: found at start anyway)
+            self._note_move(tx, row.ino)
         return self._add_links(tx, row.ino, -1, now)
 
     async def rmdir(self, parent: int, name: bytes) -> InodeRow:
@@ -688,9 +722,12 @@ class SqlMetaStore(MetaStore):
         if src_is_dir and parent != new_parent:
             self._check_not_below(tx, new_parent, src.ino)
         now = self._now_ns()
+        self._note_move(tx, src.ino, is_dir=src_is_dir)
         replaced = None
         if dst is not None:
             replaced = self._replace_target(tx, src, new_parent, new_name, dst, now)
+            if replaced.nlink > 0:  # its other names stay; its object at this one goes
+                self._note_move(tx, replaced.ino)
         tx.run(
             "UPDATE dentries SET parent = ?, name = ? WHERE parent = ? AND name = ?",
             new_parent,
@@ -735,6 +772,8 @@ class SqlMetaStore(MetaStore):
             if b_is_dir:
                 self._check_not_below(tx, a_parent, b_row.ino)
         now = self._now_ns()
+        self._note_move(tx, a_row.ino, is_dir=a_is_dir)
+        self._note_move(tx, b_row.ino, is_dir=b_is_dir)
         tx.run("UPDATE dentries SET ino = ? WHERE parent = ? AND name = ?", b_row.ino, a_parent, a_name)
         tx.run("UPDATE dentries SET ino = ? WHERE parent = ? AND name = ?", a_row.ino, b_parent, b_name)
         tx.run("UPDATE inodes SET ctime_ns = ? WHERE ino IN (?, ?)", now, a_row.ino, b_row.ino)
@@ -844,6 +883,33 @@ class SqlMetaStore(MetaStore):
     def _tx_orphans(self, tx: Tx) -> list[InodeRow]:
         found = tx.all(f"SELECT {_COLS} FROM inodes WHERE nlink = 0 ORDER BY ino")
         return [_row(values) for values in found]
+
+    async def moves(self) -> list[tuple[int, int, str | None]]:
+        return await self._run(self._tx_moves, write=False)
+
+    def _tx_moves(self, tx: Tx) -> list[tuple[int, int, str | None]]:
+        return [(ino, gen, dir_path) for ino, gen, dir_path in tx.all("SELECT ino, gen, dir_path FROM moves ORDER BY ino")]
+
+    async def move_of(self, ino: int) -> tuple[int, str | None] | None:
+        return await self._run(self._tx_move_of, ino, write=False, quick=True)
+
+    def _tx_move_of(self, tx: Tx, ino: int) -> tuple[int, str | None] | None:
+        found = tx.one("SELECT gen, dir_path FROM moves WHERE ino = ?", ino)
+        return None if found is None else (found[0], found[1])
+
+    async def moves_add(self, inos: Sequence[int]) -> None:
+        if inos:
+            await self._run(self._tx_moves_add, list(inos), write=True)
+
+    def _tx_moves_add(self, tx: Tx, inos: list[int]) -> None:
+        for ino in inos:
+            self._note_move(tx, ino)
+
+    async def moves_done(self, ino: int, gen: int) -> None:
+        await self._run(self._tx_moves_done, ino, gen, write=True)
+
+    def _tx_moves_done(self, tx: Tx, ino: int, gen: int) -> None:
+        tx.run("DELETE FROM moves WHERE ino = ? AND gen = ?", ino, gen)
 
     async def delete_inode(self, ino: int) -> None:
         if ino == ROOT_INO:

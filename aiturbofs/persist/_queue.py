@@ -140,20 +140,31 @@ class Persister:
         backend directories are then removed where empty, deepest first (the
         ones still holding files go when the last file has moved out, see
         ``_prune_dirs``); an empty one left behind showed up again at import.
+
+        The directory's pending move in the metadata (``meta.moves``) is
+        let go once every file below it has one of its own: a restart
+        meanwhile walks the tree again.
         """
+        move = await self.meta.move_of(dir_ino)
         stack = [(dir_ino, old_path)]
         old_dirs = []
         while stack:
             ino, old = stack.pop()
             if old is not None:
                 old_dirs.append(old)
+            found = []
             async for name, row in self.meta.children(ino, RENAME_READDIR_BATCH_ENTRIES):
                 if row.state is not None:  # a file, or a node the backend keeps (a directory's marker too)
-                    self.enqueue(row.ino, moved=True)
+                    found.append(row.ino)
                 if stat.S_ISDIR(row.mode):  # not a bit test: sockets and block devices share the bit
                     stack.append((row.ino, None if old is None else f"{old}/{os.fsdecode(name)}"))
+            await self.meta.moves_add(found)
+            for child in found:
+                self.enqueue(child, moved=True)
         for old in reversed(old_dirs):  # children were found after their parents
             self.enqueue_dir_cleanup(old)
+        if move is not None and move[1] is not None:
+            await self.meta.moves_done(dir_ino, move[0])
 
     def enqueue_dir_cleanup(self, path: str) -> None:
         """Remove the (now empty) backend directory of a removed directory.
@@ -242,7 +253,14 @@ class Persister:
         self.running.add(ino)
         self.reconciler.job_started(ino)
         try:
+            # A renamed file's pending move (meta.moves), read before the job reads its names: let go once
+            # the job made the backend match them (unless it runs again: it waits for another file).
+            move = await self.meta.move_of(ino) if ino in self.reconciler.moved else None
             await self._persist_with_retry(ino)
+            if move is not None and move[1] is None and ino not in self._rerun:
+                await self.meta.moves_done(ino, move[0])
+        except MetaUnavailable as exc:  # (the move stays noted: a restart reconciles the file again)
+            log.warning("persist of inode %d: pending move not read or let go: %s", ino, exc)
         except Exception as exc:  # a bug: keep persisting the other files
             log.exception("BUG while persisting inode %d", ino)
             self.host.record_error(f"internal error persisting inode {ino}: {exc!r}")

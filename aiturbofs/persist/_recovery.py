@@ -13,7 +13,7 @@ import stat
 import trio
 
 from .. import chunk
-from .._errors import BackendError, IntegrityError
+from .._errors import BackendError, IntegrityError, NotFound
 from .._limits import CHUNK_BYTES
 from ..backend import ObjectInfo
 from ..meta import STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED
@@ -89,10 +89,29 @@ class Recovery:
             self.pool.hold(k, -1)
         for row in await self.meta.orphans():
             self._queue.enqueue(row.ino, moved=True)
+        await self._resume_moves()
         for k in self.pool.spill.keys():
             if not self.pool.pinned(k):
                 self.pool.spill.discard(k)
         staging.sweep()
+
+    async def _resume_moves(self) -> None:
+        """Queue the renames, links and unlinks the backend had not caught up with when the daemon stopped.
+
+        Their objects still sit at their old names: queued as moved, the
+        importer does not take those for new files, and the jobs move them.
+        """
+        for ino, _gen, dir_path in await self.meta.moves():
+            try:
+                row = await self.meta.get_inode(ino)
+            except NotFound:
+                continue
+            if not is_mine(self.host.cluster, row):
+                continue
+            log.info("resuming the backend move of ino=%d%s", ino, f" (directory, was {dir_path})" if dir_path else "")
+            self._queue.enqueue(ino, moved=True)
+            if dir_path is not None:
+                await self._queue.enqueue_tree(ino, dir_path)
 
     async def _recover_range(self, backing, index: int, key: bytes, length: int, held: list[bytes]) -> bool:
         """Take chunk ``index`` of a backing file the previous run left if it still holds ``key``."""
