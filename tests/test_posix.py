@@ -413,6 +413,23 @@ ODD_NAMES = [
 ]
 
 
+def test_readdir_lists_dot_and_dotdot_with_their_inodes(make_mount):
+    # getdents of a directory gives "." and ".." first, as every local filesystem does (find, fts and
+    # some backup tools expect them); they were missing.
+    m = make_mount()
+    os.makedirs(m.path("a", "b"))
+    for i in range(3):
+        open(m.path("a", "b", f"f{i}"), "wb").close()
+    for d, parent in ((m.path("a", "b"), m.path("a")), (m.path("a"), m.mountpoint), (m.mountpoint, m.mountpoint)):
+        out = subprocess.run(["ls", "-a1i", "-f", d], capture_output=True, text=True, check=True).stdout.split("\n")
+        listed = [line.split(None, 1) for line in out if line]
+        assert [name for _, name in listed[:2]] == [".", ".."], listed
+        assert int(listed[0][0]) == os.stat(d).st_ino
+        if d != m.mountpoint:  # (the mount root's ".." is outside: the kernel answers stat for it)
+            assert int(listed[1][0]) == os.stat(parent).st_ino
+        assert sorted(name for _, name in listed[2:]) == sorted(os.listdir(d))
+
+
 def test_readdir_many_and_odd_names(make_mount, tmp_path):
     m = make_mount()
     big = os.fsencode(m.path("big"))

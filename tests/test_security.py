@@ -113,6 +113,34 @@ def test_write_by_another_user_clears_setuid_and_setgid(make_mount):
         assert open(m.path(name), "rb").read() == b"new"
 
 
+def test_open_with_o_trunc_by_another_user_clears_setuid_and_setgid(make_mount):
+    # As truncate(2) does (tmpfs, ext4): an open(O_TRUNC) by a user without CAP_FSETID kills
+    # set-user-ID, and set-group-ID where the group may execute.  The kernel sends the truncation
+    # inside OPEN (atomic O_TRUNC), so the filesystem must do it: it kept 0o6777.
+    m = make_mount()
+    modes = {"suid": (0o4777, 0o777), "sgid": (0o2777, 0o777), "both": (0o6777, 0o777),
+             "sgid_noexec": (0o2766, 0o2766), "empty": (0o4777, 0o777)}
+    for name, (mode, _) in modes.items():
+        _write(m.path(name), b"" if name == "empty" else b"old", mode)
+    fd = os.open(m.mountpoint, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        out = _as_nobody(f"for name in {list(modes)!r}:\n"
+                         "    os.close(os.open(name, os.O_WRONLY | os.O_TRUNC, dir_fd=D))\n"
+                         "    print(oct(os.stat(name, dir_fd=D).st_mode & 0o7777))\n", fd)
+    finally:
+        os.close(fd)
+    assert out == [oct(after) for _, after in modes.values()], out
+    for name, (_, after) in modes.items():
+        assert stat.S_IMODE(os.stat(m.path(name)).st_mode) == after, name
+        assert os.path.getsize(m.path(name)) == 0
+    with open(m.path("suid"), "wb"):  # root keeps the bits (CAP_FSETID)
+        pass
+    os.chmod(m.path("suid"), 0o4755)
+    with open(m.path("suid"), "wb"):
+        pass
+    assert stat.S_IMODE(os.stat(m.path("suid")).st_mode) == 0o4755
+
+
 def test_allow_other_no_keeps_other_users_out(make_mount):
     m = make_mount(allow_other="no")
     per_mount, per_sb = _mountinfo(m.mountpoint)

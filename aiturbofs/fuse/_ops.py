@@ -22,6 +22,7 @@ log = logging.getLogger("aiturbofs.fuse")
 _SECURITY_CAPABILITY = b"security.capability"
 _BLOCK_BYTES = 4096
 _STATFS_BLOCKS = 1 << 38  # 1 PiB of 4 KiB blocks: the backend is not bounded here
+DOT_COOKIES = 2  # readdir cookies of "." and ".."
 
 
 def entry(row: InodeRow) -> pyfuse3.EntryAttributes:
@@ -200,7 +201,7 @@ class Operations(pyfuse3.Operations):
 
     @fuse_handler
     async def open(self, inode, flags, ctx):
-        handle, keep_cache = await self.fs.open(inode, flags)
+        handle, keep_cache = await self.fs.open(inode, flags, uid=ctx.uid)
         await self._passthrough(handle)
         if not keep_cache and self.fs.cluster.shared:
             # Close-to-open across nodes: another node may have changed the
@@ -257,13 +258,19 @@ class Operations(pyfuse3.Operations):
 
     @fuse_handler
     async def readdir(self, fh, start_id, token):
-        offset = start_id
+        # "." and ".." come first, at cookies 1 and 2 (readdirplus takes no reference to them); the
+        # directory's entries follow at their tokens + DOT_COOKIES.
+        if start_id < DOT_COOKIES:
+            for cookie, (name, row) in enumerate(await self.fs.dots(fh), start=1):
+                if cookie > start_id and not self.kernel.readdir_reply(token, name, entry(row), cookie):
+                    return
+        offset = max(0, start_id - DOT_COOKIES)
         while True:
             entries = await self.fs.readdir(fh, offset)
             if not entries:
                 return
             for name, row, next_id in entries:
-                if not self.kernel.readdir_reply(token, name, entry(row), next_id):
+                if not self.kernel.readdir_reply(token, name, entry(row), next_id + DOT_COOKIES):
                     return
                 self.fs.note_lookup(row)
                 offset = next_id

@@ -327,6 +327,10 @@ class MetaStore(ABC):
         """
 
     @abstractmethod
+    async def parent_of(self, ino: int) -> int:
+        """The directory holding directory ``ino`` (the root's is the root); ``NotFound`` if it is removed."""
+
+    @abstractmethod
     async def inodes_in_states(self, states: Sequence[str]) -> list[InodeRow]:
         """Every inode whose state is one of ``states`` (ordered by ino)."""
 

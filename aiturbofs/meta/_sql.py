@@ -532,6 +532,17 @@ class SqlMetaStore(MetaStore):
     async def paths_of(self, ino: int) -> list[str]:
         return await self._run(self._tx_paths_of, ino, write=False, quick=True)
 
+    async def parent_of(self, ino: int) -> int:
+        return await self._run(self._tx_parent_of, ino, write=False, quick=True)
+
+    def _tx_parent_of(self, tx: Tx, ino: int) -> int:
+        if ino == ROOT_INO:
+            return ROOT_INO
+        found = self._parent_of_dir(tx, ino)
+        if found is None:
+            raise err.NotFound(f"directory inode {ino} is removed")
+        return found[0]
+
     def _tx_paths_of(self, tx: Tx, ino: int) -> list[str]:
         if ino == ROOT_INO:
             return [""]

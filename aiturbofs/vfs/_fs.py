@@ -627,6 +627,12 @@ class Filesystem:
             out.append((name, self._attr(node) if node is not None else row, token))
         return out
 
+    async def dots(self, ino: int) -> list[tuple[bytes, InodeRow]]:
+        """A directory's ``.`` and ``..`` entries (readdir lists them first; the kernel takes no reference)."""
+        here = await self.getattr(ino)
+        parent = await self.meta.parent_of(ino)
+        return [(b".", here), (b"..", here if parent == ino else await self.getattr(parent))]
+
     def note_lookup(self, row: InodeRow) -> None:
         """readdirplus handed the kernel a reference to ``row``'s inode."""
         self._remember(row).lookups += 1
@@ -712,8 +718,8 @@ class Filesystem:
         node.served += 1
         return handle
 
-    async def open(self, ino: int, flags: int) -> tuple[Handle, bool]:
-        """Open ``ino``; returns the handle and whether kernel pages stay valid."""
+    async def open(self, ino: int, flags: int, *, uid: int = 0) -> tuple[Handle, bool]:
+        """Open ``ino`` for the caller ``uid``; returns the handle and whether kernel pages stay valid."""
         node = await self._inode(ino)
         if node.opens == 0 and (node.content is None or not node.content.dirty):
             await self._refresh(node)  # close-to-open: see the latest commit
@@ -745,6 +751,14 @@ class Filesystem:
                 node.row.mtime_ns = _now_ns()
             if kernel:
                 await self._cut_backing(content, 0)
+            if uid != 0 and row.mode & (stat.S_ISUID | stat.S_ISGID):
+                # as truncate(2) by a caller without CAP_FSETID: set-user-ID goes, and set-group-ID where
+                # the group may execute (the kernel asks for that at a truncating setattr, not here)
+                mode = row.mode & ~stat.S_ISUID
+                if mode & stat.S_IXGRP:
+                    mode &= ~stat.S_ISGID
+                if mode != row.mode:
+                    row = await self.setattr(ino, mode=mode & 0o7777)
         elif writable and row.manifest is None and any(s is not None and s.is_external for s in content.slots):
             await self._hash_external(node, content)
         handle = self._open_handle(node, flags)
