@@ -274,6 +274,36 @@ def test_kill9_before_the_backend_follows_renames_and_links_keeps_them(s3m):
     assert files_under(fresh.mountpoint) == want
 
 
+def test_kill9_between_a_backend_move_and_its_record_finds_the_object_moved(s3m):
+    """The backend moved a renamed file's object, then the daemon died before the metadata said so:
+    the restart's move finds no source.  The object at the new name holds exactly that version (every
+    chunk hashed), so that is the move, done; it used to mark the file broken (EIO)."""
+    m = s3m.mount(**NO_REIMPORT)
+    data = secrets.token_bytes(CHUNK + 12345)
+    put(m.path("a.bin"), data)
+    assert aiturbo("wait", m.mountpoint, check=False, timeout=WAIT_S).returncode == 0
+    ino = os.stat(m.path("a.bin")).st_ino
+    m.kill()
+    db = sqlite3.connect(meta_db(m), isolation_level=None)
+    try:  # the rename's own transaction: the name and its pending move
+        assert db.execute("UPDATE dentries SET name = ? WHERE name = ?", (b"b.bin", b"a.bin")).rowcount == 1
+        db.execute("INSERT INTO moves (ino, gen, dir_path) VALUES (?, 1, NULL)", (ino,))
+    finally:
+        db.close()
+    client = s3m.server.client()  # the move the backend made (S3: a copy, then the delete)
+    client.copy_object(Bucket=s3m.bucket, Key="pre/b.bin", CopySource={"Bucket": s3m.bucket, "Key": "pre/a.bin"})
+    client.delete_object(Bucket=s3m.bucket, Key="pre/a.bin")
+    m2 = remount(s3m, m, **NO_REIMPORT)
+    r = aiturbo("wait", m2.mountpoint, check=False, timeout=WAIT_S)
+    assert r.returncode == 0, r.stderr
+    assert state(m2.path("b.bin")) == "durable"
+    assert get(m2.path("b.bin")) == data
+    assert s3m.objects() == {"b.bin": data}
+    assert "broken" not in m2.log()
+    assert "was moved to b.bin before the daemon stopped" in m2.log()
+    assert_no_bug(m2.log())
+
+
 def test_kill9_never_serves_bytes_written_after_the_last_close(s3m):
     """Bytes a writer left in a hole of its file's backing file, fd still open at the kill -9, were
     never committed: a restart must neither serve them nor persist them.  The old recovery kept

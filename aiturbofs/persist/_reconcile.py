@@ -32,6 +32,7 @@ from ..backend import ASIDE_PREFIX, NodeAttrs, ObjectInfo
 from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED
 from ._host import PersistHost, PersistStats, is_mine
 from ._upload import Uploads
+from ._verify import holds_version
 
 log = logging.getLogger("aiturbofs.persist")
 
@@ -307,7 +308,7 @@ class Reconciler:
                             current.append(dst)
                     else:
                         await self.uploads.forget_sources(src)
-                        placed = await self._place(self.backend.move, dst, src, dst)
+                        placed = await self._place_moved(row, src, dst)
                         if placed:
                             current[current.index(src)] = dst
                             keep = [dst]
@@ -330,6 +331,22 @@ class Reconciler:
             await self.meta.set_state(row.ino, STATE_DURABLE, if_version=row.version)
         log.info("moved_in_backend from=%s to=%s", ",".join(row.backend_keys), ",".join(paths))
         return True
+
+    async def _place_moved(self, row, src: str, dst: str) -> bool:
+        """Move ``row``'s object from ``src`` to ``dst`` (see ``_place``).
+
+        A move the backend made before a kill -9 and the metadata never
+        recorded finds no ``src``: if ``dst`` holds exactly this version, that
+        is the move, done.
+        """
+        try:
+            return await self._place(self.backend.move, dst, src, dst)
+        except BackendError as exc:
+            if exc.errno != errno.ENOENT or isinstance(exc, TransientBackendError) \
+                    or await holds_version(self.host, dst, row) is None:
+                raise
+            log.info("%s was moved to %s before the daemon stopped; recording it", src, dst)
+            return True
 
     async def _defer(self, row, paths: list[str]) -> None:
         """Let the holder of one of our names move its object first.

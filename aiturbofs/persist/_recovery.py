@@ -15,10 +15,10 @@ import trio
 from .. import chunk
 from .._errors import BackendError, IntegrityError, NotFound
 from .._limits import CHUNK_BYTES
-from ..backend import ObjectInfo
 from ..meta import STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED
 from ..staging import content_key_of, room
 from ._host import PersistHost, is_mine
+from ._verify import holds_version
 
 log = logging.getLogger("aiturbofs.persist")
 
@@ -154,7 +154,7 @@ class Recovery:
         paths = await self.meta.paths_of(row.ino) if row.nlink > 0 else []
         for key in paths:
             try:
-                info = await self._holds_version(key, row)
+                info = await holds_version(self.host, key, row)
             except (BackendError, IntegrityError) as exc:
                 log.info("recovery: %s not checked in the backend: %s", key, exc)
                 continue
@@ -169,15 +169,3 @@ class Recovery:
             self._queue.enqueue(row.ino, moved=True)  # its other names, its stale objects
             return True
         return False
-
-    async def _holds_version(self, key: str, row) -> ObjectInfo | None:
-        """The object at ``key`` if its bytes are exactly ``row``'s version, else None."""
-        info = await self.backend.stat(key)
-        if info is None or info.is_dir or info.size != row.size:
-            return None
-        keys = chunk.unpack_manifest(row.manifest or b"")
-        for index in range(chunk.chunk_count(row.size)):
-            data = await self.host.fetcher.read_range(key, index * CHUNK_BYTES, chunk.chunk_length(row.size, index))
-            if index >= len(keys) or await trio.to_thread.run_sync(chunk.content_key, data) != keys[index]:
-                return None
-        return info

@@ -19,10 +19,27 @@ import trio
 
 from .. import chunk
 from .._errors import BackendError, NotFound
+from ..backend import ObjectInfo
 from ..meta import STATE_DURABLE
 from ._host import PersistHost
 
 log = logging.getLogger("aiturbofs.persist")
+
+
+async def holds_version(host: PersistHost, key: str, row) -> ObjectInfo | None:
+    """The object at ``key`` if its bytes are exactly ``row``'s version (its size, and every chunk
+    hashes to the manifest; without a manifest, its etag is the row's), else None."""
+    info = await host.backend.stat(key)
+    if info is None or info.is_dir or info.size != row.size:
+        return None
+    if row.manifest is None:
+        return info if row.backend_etag is not None and info.etag == row.backend_etag else None
+    keys = chunk.unpack_manifest(row.manifest)
+    for index in range(chunk.chunk_count(row.size)):
+        data = await host.fetcher.read_range(key, index * chunk.CHUNK_BYTES, chunk.chunk_length(row.size, index))
+        if index >= len(keys) or await trio.to_thread.run_sync(chunk.content_key, data) != keys[index]:
+            return None
+    return info
 
 
 async def verify_chunks(host: PersistHost, ino: int, first: int, count: int) -> dict:
