@@ -13,11 +13,13 @@ scripts/setup.sh --test).  Exit status: 0 when every round passed.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,9 +37,12 @@ def main() -> int:
     rnd = random.Random(args.seed)
     deadline = time.monotonic() + args.minutes * 60
     rounds, failed = 0, []
+    fd, tally = tempfile.mkstemp(prefix="aiturbofs-soak-", suffix=".jsonl")
+    os.close(fd)
     while time.monotonic() < deadline:
         seed = args.seed if args.seed is not None and rounds == 0 else rnd.randrange(1000, 10**6)
-        env = {**os.environ, "AITURBOFS_TORTURE_SEED": str(seed), "AITURBOFS_TORTURE_OPS": str(args.ops)}
+        env = {**os.environ, "AITURBOFS_TORTURE_SEED": str(seed), "AITURBOFS_TORTURE_OPS": str(args.ops),
+               "AITURBOFS_TORTURE_TALLY": tally}
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "tests/test_torture.py"]
         if args.datapath:
             cmd += ["-k", args.datapath]
@@ -55,7 +60,11 @@ def main() -> int:
             print(f"replay: (cd {shlex.quote(REPO)} && {replay})", file=sys.stderr, flush=True)
             if not args.keep_going:
                 break
-    print(f"{rounds} round(s), {len(failed)} failed{': seeds ' + ', '.join(map(str, failed)) if failed else ''}")
+    runs = [json.loads(line) for line in open(tally)]
+    os.unlink(tally)
+    print(f"{rounds} round(s), {len(failed)} failed{': seeds ' + ', '.join(map(str, failed)) if failed else ''}; "
+          f"{len(runs)} runs of 4 workers: {sum(r['ops'] for r in runs)} operations, "
+          f"{sum(r['bytes'] for r in runs) / 2**30:.1f} GiB written, {sum(r['kills'] for r in runs)} kill -9")
     return 1 if failed else 0
 
 

@@ -16,6 +16,7 @@ failing seed's replay command.  A seed that ever failed is added to CASES.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import random
@@ -67,6 +68,11 @@ def run_workers(root: str, seed: int, out_dir: str, *, ops: int = OPS, workers: 
             assert p.returncode == 0, f"a worker failed (seed {seed}):\n{err[-4000:]}"
         with open(out, "rb") as f:
             results.append(pickle.load(f))
+    tally = os.environ.get("AITURBOFS_TORTURE_TALLY")  # scripts/soak.py sums these
+    if tally:
+        with open(tally, "a") as f:
+            f.write(json.dumps({"seed": seed, "ops": sum(r["ops"] for r in results),
+                                "bytes": sum(r["bytes"] for r in results), "kills": int(kill_after_s is not None)}) + "\n")
     return results
 
 
