@@ -243,6 +243,112 @@ def test_close_to_open_before_and_after_durable(make_cluster):
           f"replicas held {held}; durable {durable_s:.2f} s after S3 thawed")
 
 
+# ============================================================== (a2) close-to-open beside an open descriptor
+# A long-lived reader (a dataloader, a monitor) keeps a descriptor open on node A while node B commits a
+# new version.  A fresh open on A must see B's version (content and size) on every data path; the old
+# descriptor reads A's version until then, and the node's one version after (docs/design.md, "Semantics").
+
+CTO_DATAPATHS = ["auto", "kernel", "pyfuse3"]  # auto: the kernel session with passthrough where the host has it
+
+
+def two_nodes(make_cluster, datapath: str) -> Cluster:
+    return make_cluster(n=2, node_options={"datapath": datapath})
+
+
+def read_fd(fd: int) -> bytes:
+    """The whole file through ``fd``, from offset 0, in 1 MiB reads (as a dataloader reads)."""
+    out = bytearray()
+    while piece := os.pread(fd, MiB, len(out)):
+        out += piece
+    return bytes(out)
+
+
+def hold_open(c: Cluster, name: str, data: bytes) -> int:
+    """A read descriptor on node 0 of ``name``, which holds ``data`` (read once: its pages and chunks are there)."""
+    before = c.status(0)["fuse"].get("passthrough_files", 0)  # (pyfuse3 has no such count)
+    fd = os.open(c.path(0, name), os.O_RDONLY)
+    assert read_fd(fd) == data
+    fuse = c.status(0)["fuse"]
+    if fuse["datapath"] == "passthrough":  # the case the issue names: the kernel serves the old fd
+        assert fuse["passthrough_files"] == before + 1, "the old descriptor is not a passthrough one"
+    return fd
+
+
+def fresh_read(c: Cluster, i: int, name: str) -> tuple[int, bytes]:
+    """(size by fstat, bytes) of a fresh open of ``name`` on node ``i``."""
+    fd = os.open(c.path(i, name), os.O_RDONLY)
+    try:
+        return os.fstat(fd).st_size, read_fd(fd)
+    finally:
+        os.close(fd)
+
+
+def describe(data: bytes) -> str:
+    return f"{len(data)} bytes starting {data[:8]!r}"
+
+
+@pytest.mark.parametrize("datapath", CTO_DATAPATHS)
+def test_a_rewrite_elsewhere_is_seen_by_a_fresh_open_beside_an_open_fd(make_cluster, datapath):
+    c = two_nodes(make_cluster, datapath)
+    old, new = b"1" * (CHUNK + 4096), b"2" * CHUNK
+    put(c.path(0, "held.bin"), old)
+    fd = hold_open(c, "held.bin", old)
+    try:
+        put(c.path(1, "held.bin"), new)
+        size, got = fresh_read(c, 0, "held.bin")
+        assert size == len(new), f"a fresh open on n0 has size {size}, n1 wrote {len(new)} ({datapath})"
+        assert got == new, f"a fresh open on n0 read {describe(got)}, n1 wrote {describe(new)} ({datapath})"
+        assert os.stat(c.path(0, "held.bin")).st_size == len(new)
+    finally:
+        os.close(fd)
+    assert fresh_read(c, 0, "held.bin") == (len(new), new)
+    assert_clean(c)
+
+
+@pytest.mark.parametrize("datapath", CTO_DATAPATHS)
+def test_an_append_elsewhere_is_seen_by_a_fresh_open_beside_an_open_fd(make_cluster, datapath):
+    c = two_nodes(make_cluster, datapath)
+    old, tail = b"1" * (CHUNK + 100), b"3" * 5000
+    put(c.path(0, "log.bin"), old)
+    fd = hold_open(c, "log.bin", old)
+    try:
+        with open(c.path(1, "log.bin"), "ab") as f:
+            f.write(tail)
+        size, got = fresh_read(c, 0, "log.bin")
+        assert size == len(old) + len(tail), f"a fresh open on n0 has size {size} after n1's append ({datapath})"
+        assert got == old + tail, f"a fresh open on n0 read {describe(got)}, want {describe(old + tail)}"
+    finally:
+        os.close(fd)
+    assert_clean(c)
+
+
+@pytest.mark.parametrize("datapath", CTO_DATAPATHS)
+def test_an_old_fd_reads_one_version_whole_when_another_node_rewrites(make_cluster, datapath):
+    """The documented rule: the old descriptor reads its version until an open on its node takes the
+    newer one, then that one (the node serves one version of a file); never a mix within a read."""
+    c = two_nodes(make_cluster, datapath)
+    old, new = b"1" * (CHUNK + 4096), b"2" * (CHUNK + 777)
+    put(c.path(0, "dl.bin"), old)
+    fd = hold_open(c, "dl.bin", old)
+    try:
+        put(c.path(1, "dl.bin"), new)
+        got = read_fd(fd)
+        assert got == old, f"before an open on n0 its old descriptor read {describe(got)} ({datapath})"
+        assert fresh_read(c, 0, "dl.bin") == (len(new), new)
+        assert os.fstat(fd).st_size == len(new), f"the old descriptor's fstat after a fresh open ({datapath})"
+        for off in range(0, len(new), MiB):  # every read is of one version
+            piece = os.pread(fd, MiB, off)
+            assert piece == new[off: off + MiB], f"old fd at {off}: {describe(piece)} ({datapath})"
+        assert read_fd(fd) == new
+        put(c.path(1, "dl.bin"), old)  # and back: the old fd follows the node again at its next fresh open
+        assert fresh_read(c, 0, "dl.bin") == (len(old), old)
+        assert read_fd(fd) == old
+    finally:
+        os.close(fd)
+    assert "BUG" not in c.nodes[0].log()
+    assert_clean(c)
+
+
 # ============================================================== (b) DP replicas, dedup
 
 
