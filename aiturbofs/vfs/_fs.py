@@ -79,7 +79,7 @@ log = logging.getLogger(__name__)
 class Inode:
     """What the daemon holds in memory for an inode the kernel knows."""
 
-    __slots__ = ("ino", "row", "lookups", "opens", "served", "content", "cached_version", "tags", "pins")
+    __slots__ = ("ino", "row", "lookups", "opens", "served", "writers", "content", "cached_version", "tags", "pins")
 
     def __init__(self, row: InodeRow):
         self.ino = row.ino
@@ -87,6 +87,7 @@ class Inode:
         self.lookups = 0
         self.opens = 0
         self.served = 0  # of the opens, those served through requests (not by the kernel) and not being released
+        self.writers = 0  # of the opens, those whose close commits: while any is open this node keeps its own view
         self.content: FileContent | None = None
         self.cached_version = -1  # version whose pages the kernel may hold
         self.tags: dict[bytes, bytes] | None = None  # user.aiturbo.* cache
@@ -129,6 +130,17 @@ def _check_name(name: bytes) -> None:
         raise NameTooLong(f"name of {len(name)} bytes exceeds {NAME_BYTES_MAX}")
     if not name or b"/" in name or name in (b".", b".."):
         raise InvalidArgument(f"bad name {name!r}")
+
+
+def _shows(content: FileContent, row: InodeRow) -> bool:
+    """Whether a content not dirty is the committed version ``row`` describes."""
+    if content.size != row.size:
+        return False
+    if row.manifest is None:  # an imported object: its chunks are read by the row's names
+        return all(s is None or s.is_external for s in content.slots)
+    if any(s is not None and s.key is None for s in content.slots):
+        return False
+    return content.manifest() == row.manifest
 
 
 class Filesystem:
@@ -719,22 +731,15 @@ class Filesystem:
         handle = self._handles[fh] = Handle(fh, node, flags, created=created)
         node.opens += 1
         node.served += 1
+        if handle.commits:
+            node.writers += 1
         return handle
 
     async def open(self, ino: int, flags: int, *, uid: int = 0) -> tuple[Handle, bool]:
         """Open ``ino`` for the caller ``uid``; returns the handle and whether kernel pages stay valid."""
         node = await self._inode(ino)
-        if node.opens == 0 and (node.content is None or not node.content.dirty):
-            await self._refresh(node)  # close-to-open: see the latest commit
-            content = node.content
-            if content is not None and node.row.backend_etag is not None and node.row.manifest and not content.dirty \
-                    and content.size == node.row.size and any(s is not None and s.is_external for s in content.slots):
-                self.objects.adopt(node, node.row)  # another node hashed the object this content holds by name
-            # Checked again after the await: an open meanwhile may be writing.
-            if self.cluster.shared and content is not None and node.opens == 0 and not content.dirty and (
-                content.size != node.row.size or content.manifest() != node.row.manifest
-            ):
-                self._drop_content(node)  # another node committed a newer version
+        if not self._written_here(node):
+            await self._take_latest(node)  # close-to-open, also beside descriptors open here
         row = node.row
         if stat.S_ISDIR(row.mode):
             raise IsADirectory("open of a directory as a file")
@@ -770,6 +775,50 @@ class Filesystem:
         keep = node.cached_version == row.version and not content.dirty
         node.cached_version = row.version
         return handle, keep
+
+    def _written_here(self, node: Inode) -> bool:
+        """Whether this node has changes of the file the metadata does not have yet, or may make some
+        (a handle whose close commits is open): it keeps its own view then, never another node's."""
+        return node.writers > 0 or (node.content is not None and node.content.dirty)
+
+    async def _take_latest(self, node: Inode) -> None:
+        """Close-to-open: the file's latest commit, for a file this node does not write (docs/design.md, "Semantics").
+
+        Also while descriptors of the file are open here: the node serves
+        one version of a file (the kernel caches its pages per inode, and
+        passthrough binds one backing file per inode), so they read the
+        new version from now on.
+        """
+        row = await self.meta.get_inode(node.ino)
+        # Checked again after the await: a writer may have opened, or committed (a row older than the
+        # one held would turn a just-committed file back into its previous version).
+        if row.version < node.row.version or self._written_here(node):
+            return
+        node.row = row
+        content = node.content
+        if content is None:
+            return
+        if row.backend_etag is not None and row.manifest and content.size == row.size \
+                and any(s is not None and s.is_external for s in content.slots):
+            self.objects.adopt(node, row)  # another node hashed the object this content holds by name
+        if self.cluster.shared and not _shows(content, row):
+            self._supersede(node)  # another node committed a newer version
+
+    def _supersede(self, node: Inode) -> None:
+        """The content held is not the committed version any more: the row's takes its place.
+
+        The old content's slots are left as they are (it is not dirty: they
+        hold no pin and no open range), so a read that began on it finishes
+        from it.  The backing file moves to the new content (the kernel may
+        be serving it to descriptors open here).
+        """
+        old = node.content
+        assert old is not None and not old.dirty
+        self._release_pins(node, None)
+        new = node.content = FileContent.from_manifest(node.row.size, node.row.manifest)
+        new.backing, old.backing = old.backing, None
+        log.info("inode %d: version %d committed elsewhere replaces the content held here%s", node.ino,
+                 node.row.version, " (descriptors open here read it from now on)" if node.opens else "")
 
     async def open_kernel(self, handle: Handle) -> int | None:
         """The backing file's descriptor if the kernel may serve ``handle`` itself (FUSE passthrough), else None."""
@@ -841,6 +890,8 @@ class Filesystem:
                 await self._commit(node)
         finally:
             node.opens -= 1
+            if handle.commits:
+                node.writers -= 1
             await self._maybe_drop(node)
 
     async def flush(self, fh: int) -> None:
@@ -1205,7 +1256,8 @@ class Filesystem:
             return bytes(count)
         if slot.is_open:
             return content.range(index).pread(start, count)  # past ``filled`` the range is a hole: zeros
-        return await self._read_slot(node, index, slot, chunk.chunk_length(content.size, index), start=start, count=count)
+        return await self._read_slot(node, index, slot, chunk.chunk_length(content.size, index), start=start, count=count,
+                                     content=content)
 
     def _read_ahead(self, node: Inode, content: FileContent, last: int) -> None:
         """A sequential reader: fetch the next chunks into the pool while it reads this one."""
@@ -1257,14 +1309,18 @@ class Filesystem:
             self._prefetching.discard(key)
 
     async def _read_slot(self, node: Inode, index: int, slot: Slot, length: int, *, start: int = 0,
-                         count: int | None = None, cache: bool = True):
+                         count: int | None = None, cache: bool = True, content: FileContent | None = None):
         """Bytes ``start:start+count`` of a sealed or external slot (valid until the next await).
 
-        With ``cache`` a chunk fetched from elsewhere is kept in the file's
-        range (a clean entry the pool may evict).
+        ``content``: the content the slot is of (default: the node's).  With
+        ``cache`` a chunk fetched from elsewhere is kept in the file's range
+        (a clean entry the pool may evict), unless that content has been
+        replaced by a newer version meanwhile.
         """
-        content = node.content
-        into = self._backing(node, content).range(index) if cache and content is not None else None
+        if content is None:
+            content = node.content
+        into = self._backing(node, content).range(index) if cache and content is not None \
+            and content is node.content else None
         if slot.key is None:
             return await self._read_external(node, index, length, into=into, start=start, count=count)
         key = slot.key
