@@ -202,7 +202,11 @@ class Operations(pyfuse3.Operations):
     @fuse_handler
     async def open(self, inode, flags, ctx):
         handle, keep_cache = await self.fs.open(inode, flags, uid=ctx.uid)
-        await self._passthrough(handle)
+        try:
+            await self._passthrough(handle)
+        except Exception:
+            await self.fs.release(handle.fh)  # the open fails: no RELEASE will come for it
+            raise
         if not keep_cache and self.fs.cluster.shared:
             # Close-to-open across nodes: another node may have changed the
             # size within the kernel's attribute timeout; make it ask again.

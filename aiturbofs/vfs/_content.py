@@ -65,7 +65,7 @@ class FileContent:
     """The chunk slots and size of one file, plus its change counters."""
 
     __slots__ = ("slots", "size", "seq", "committed_seq", "lock", "broken", "backing", "committing", "absorbed",
-                 "kernel_charged", "kernel_rdwr")
+                 "kernel_charged", "kernel_rdwr", "kernel_behind")
 
     def __init__(self, size: int = 0):
         self.slots: list[Slot | None] = []
@@ -86,6 +86,9 @@ class FileContent:
         # mapping, which changes no time stamp; O_WRONLY and O_RDONLY opens cannot map for writing), or
         # two at once: the release then hashes every chunk again
         self.kernel_rdwr = False
+        # the content of a newer version than the bytes of its backing file, which the kernel serves to
+        # descriptors open on the older one: they are put there before another open joins them (_kernel_io)
+        self.kernel_behind = False
 
     @property
     def dirty(self) -> bool:

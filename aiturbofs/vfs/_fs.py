@@ -809,14 +809,16 @@ class Filesystem:
 
         The old content's slots are left as they are (it is not dirty: they
         hold no pin and no open range), so a read that began on it finishes
-        from it.  The backing file moves to the new content (the kernel may
-        be serving it to descriptors open here).
+        from it.  The backing file moves to the new content: the kernel may
+        be serving it to descriptors open here, which must read the new
+        version before another open joins them (``_kernel_io``).
         """
         old = node.content
         assert old is not None and not old.dirty
         self._release_pins(node, None)
         new = node.content = FileContent.from_manifest(node.row.size, node.row.manifest)
         new.backing, old.backing = old.backing, None
+        new.kernel_behind = new.backing is not None and new.backing.kernel_opens > 0
         log.info("inode %d: version %d committed elsewhere replaces the content held here%s", node.ino,
                  node.row.version, " (descriptors open here read it from now on)" if node.opens else "")
 

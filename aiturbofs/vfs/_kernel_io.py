@@ -20,7 +20,11 @@ are served through requests, which wait):
 * any open of a file already open that way: the kernel refuses to mix
   passthrough and cached opens of one inode (ETXTBSY), and while a file is
   open through the kernel all its bytes are in its backing file (the pool
-  neither evicts nor punches them).
+  neither evicts nor punches them).  It also binds every passthrough open
+  of an inode to one backing file, so when the file took a newer version
+  committed on another node (``Filesystem._take_latest``) the new version's
+  chunks are put into that backing file first (``_catch_up``): the
+  descriptors open on the old version read the new one from then on.
 
 What the daemon does about the bytes (``absorb``): the backing file's size
 is the file's size; every chunk is hashed and compared with its slot (time
@@ -50,11 +54,11 @@ from typing import TYPE_CHECKING
 import trio
 
 from .. import chunk
-from .._errors import FileTooBig
+from .._errors import FileTooBig, NoSpace
 from .._limits import KERNEL_CHARGE_POLL_S, PASSTHROUGH_FREE_FRACTION_MIN
 from .._threads import background
 from ..staging import content_key_of, is_hole, room
-from ._content import Slot
+from ._content import FileContent, Slot
 
 if TYPE_CHECKING:
     from ._fs import Filesystem, Handle, Inode
@@ -69,7 +73,14 @@ async def open_kernel(fs: Filesystem, handle: Handle) -> int | None:
         return None
     content = node.content
     backing = fs._backing(node, content)
+    if backing.kernel_opens and content.kernel_behind:
+        await _catch_up(fs, node, backing)
+        if node.content is None:
+            return None
+        content = node.content
+        backing = fs._backing(node, content)
     if not backing.kernel_opens:
+        content.kernel_behind = False  # (the kernel holds nothing of an older version)
         empty = _empty_content(content)
         if node.served > 1 or (content.dirty and not empty):
             # open through requests already (the kernel would refuse the mix), or being written that way
@@ -117,6 +128,77 @@ async def open_kernel(fs: Filesystem, handle: Handle) -> int | None:
     handle.kernel = True
     content.absorbed = _stamp(os.fstat(backing.fd()))
     return fd
+
+
+async def _catch_up(fs: Filesystem, node: Inode, backing) -> None:
+    """Put the file's content, a newer version, into the backing file the kernel serves to descriptors open on an
+    older one, before another open joins them (the kernel binds all passthrough opens of an inode to one backing
+    file: the old descriptors read the new version from then on).
+
+    Raises what a read of a chunk raises (EIO, logged); see ``_load`` for what the backing file holds then.
+    """
+    while (content := node.content) is not None and content.kernel_behind and backing.kernel_opens:
+        async with content.lock:  # (a second open waits here, and joins once the bytes are there)
+            if node.content is content and content.kernel_behind and backing.kernel_opens:
+                if await _load(fs, node, content, backing):
+                    content.kernel_behind = False
+                    log.info("inode %d: the kernel serves version %d to the descriptors open here",
+                             node.ino, node.row.version)
+
+
+async def _load(fs: Filesystem, node: Inode, content: FileContent, backing) -> bool:
+    """Every chunk of ``content`` into its range of ``backing``; False if the file took yet another version meanwhile.
+
+    The chunks not there yet are read once before the first range changes
+    (into the pool, where it has room), so a chunk nobody has fails the open
+    with the backing file as it was; only one lost between that read and
+    the second can leave part of each version there.  A range
+    changes in one step with no await in it (its old entry out, the new
+    bytes in, a clean entry of them), so a newer version's ``_load`` that
+    starts meanwhile cannot interleave with this one: this one stops.
+    """
+    n = chunk.chunk_count(content.size)
+    missing: list[tuple[int, Slot | None, int]] = []
+    for index in range(n):
+        slot = content.slot_at(index)
+        e = backing.range(index).entry
+        length = chunk.chunk_length(content.size, index)
+        if slot is None:
+            if e is not None or not is_hole(backing.fd(), backing.range(index).offset, length):
+                missing.append((index, slot, length))
+        elif e is None or e.key != fs._cache_key(node, index, slot) or e.length != length:
+            missing.append((index, slot, length))
+    for index, slot, length in missing:  # first read: into the pool, where it has room
+        if slot is not None:
+            await fs._read_slot(node, index, slot, length, cache=False)
+    for index, slot, length in missing:
+        rng = backing.range(index)
+        data = None if slot is None else bytes(await fs._read_slot(node, index, slot, length, cache=False))
+        need = 0 if slot is None else room(length, index)
+        if need:
+            await fs.pool.reserve(need)
+        charge, _, _ = await fs.pool.take_range(rng)
+        fs.pool.unreserve(charge)
+        if node.content is not content:
+            fs.pool.unreserve(need)
+            return False
+        if slot is None or data is None:
+            fs._punch(rng)  # a hole: zeros
+            continue
+        try:
+            rng.pwrite(0, data)
+        except OSError as exc:
+            fs.pool.unreserve(need)
+            raise NoSpace(f"staging area {fs.staging.directory}: {exc.strerror}", errno_=exc.errno) from exc
+        fs.pool.adopt_range(fs._cache_key(node, index, slot), rng, length, need, pin=False)
+    for rng in backing.ranges():
+        if rng.index >= n and rng.entry is not None:
+            charge, _, _ = await fs.pool.take_range(rng)
+            fs.pool.unreserve(charge)
+    if node.content is not content:
+        return False
+    _fit(backing, content.size)
+    return True
 
 
 def _empty_content(content) -> bool:
