@@ -283,6 +283,14 @@ def fresh_read(c: Cluster, i: int, name: str) -> tuple[int, bytes]:
         os.close(fd)
 
 
+def wait_unpinned(c: Cluster, timeout_s: float = 30.0) -> None:
+    """Until no node pins a chunk (replica holds are let go some time after their file became durable)."""
+    deadline = time.monotonic() + timeout_s
+    while pinned := {c.name(i): n for i in c.live() if (n := c.status(i)["pool"]["pinned_chunks"])}:
+        assert time.monotonic() < deadline, f"chunks still pinned after {timeout_s} s: {pinned}"
+        time.sleep(0.1)
+
+
 def describe(data: bytes) -> str:
     return f"{len(data)} bytes starting {data[:8]!r}"
 
@@ -347,6 +355,36 @@ def test_an_old_fd_reads_one_version_whole_when_another_node_rewrites(make_clust
         os.close(fd)
     assert "BUG" not in c.nodes[0].log()
     assert_clean(c)
+
+
+@pytest.mark.parametrize("datapath", CTO_DATAPATHS)
+def test_an_old_fd_whose_version_is_gone_gets_eio_and_the_log_says_why(make_cluster, datapath):
+    """The old descriptor's version durable, then replaced on another node, and no pool holding its chunks:
+    its reads fail with EIO and the log says why, never other bytes.  Where the kernel serves the old
+    descriptor from the backing file (passthrough), that file still holds the version: it reads on."""
+    c = two_nodes(make_cluster, datapath)
+    old, new = b"1" * (CHUNK + 4096), b"2" * (CHUNK + 4096)
+    put(c.path(0, "gone.bin"), old)
+    wait_durable(c, 0, ["gone.bin"])  # the old version's chunks are clean now: drop-cache evicts them
+    fd = hold_open(c, "gone.bin", old)
+    try:
+        put(c.path(1, "gone.bin"), new)
+        wait_durable(c, 1, ["gone.bin"])  # the object in the backend is the new version
+        wait_unpinned(c)  # the replicas of both versions are let go too
+        c.drop_cache()
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # and the kernel's pages of it
+        if c.status(0)["fuse"]["datapath"] == "passthrough":
+            assert read_fd(fd) == old, f"the passthrough old descriptor ({datapath})"
+        else:
+            with pytest.raises(OSError) as err:
+                read_fd(fd)
+            assert err.value.errno == errno.EIO, err.value
+            assert "was replaced by version" in c.nodes[0].log(), c.nodes[0].log()[-3000:]
+        assert fresh_read(c, 0, "gone.bin") == (len(new), new)
+        assert read_fd(fd) == new
+    finally:
+        os.close(fd)
+    assert "BUG" not in c.nodes[0].log()
 
 
 # ============================================================== (b) DP replicas, dedup

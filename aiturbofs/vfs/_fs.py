@@ -1333,8 +1333,25 @@ class Filesystem:
         try:
             return await self.pool.read(key, fetch, into=into, start=start, count=count)
         except AiturboError as exc:
-            self.record_error(f"read of inode {node.ino} chunk {index} failed: {exc}")
-            raise BrokenFile(str(exc)) from exc
+            why = await self._why_gone(node, content)
+            self.record_error(f"read of inode {node.ino} chunk {index} failed: {exc}{why}")
+            raise BrokenFile(f"{exc}{why}") from exc
+
+    async def _why_gone(self, node: Inode, content: FileContent | None) -> str:
+        """Why a chunk is nowhere, when the reason is a newer version: its version was replaced on another node
+        (its chunks were let go there, its object overwritten) while a descriptor here still reads it."""
+        if content is not None and content is not node.content:
+            return "; the file took a newer version while this read ran"
+        if content is None or content.dirty:
+            return ""
+        try:
+            latest = await self.meta.get_inode(node.ino)
+        except AiturboError:
+            return ""
+        if latest.version <= node.row.version:
+            return ""
+        return (f"; version {node.row.version}, which a descriptor open here reads, was replaced by version "
+                f"{latest.version} on another node and its chunks are gone (a fresh open reads the new version)")
 
     def _cache_key(self, node: Inode, index: int, slot: Slot) -> bytes:
         """The pool key of a sealed or external slot's bytes."""
