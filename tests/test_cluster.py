@@ -387,6 +387,27 @@ def test_an_old_fd_whose_version_is_gone_gets_eio_and_the_log_says_why(make_clus
     assert "BUG" not in c.nodes[0].log()
 
 
+@pytest.mark.parametrize("datapath", CTO_DATAPATHS)
+def test_a_node_writing_the_file_keeps_its_own_view(make_cluster, datapath):
+    """Node 0 has a descriptor open for writing (a write not committed yet) when node 1 commits a rewrite:
+    node 0's opens keep node 0's view (another node's commit never replaces uncommitted writes), and its
+    close commits it as the newest version, which node 1 then reads."""
+    c = two_nodes(make_cluster, datapath)
+    old, new = b"1" * (CHUNK + 4096), b"2" * CHUNK
+    put(c.path(0, "w.bin"), old)
+    mine = b"a" * 1000 + old[1000:]
+    w = os.open(c.path(0, "w.bin"), os.O_WRONLY)
+    try:
+        os.pwrite(w, b"a" * 1000, 0)
+        put(c.path(1, "w.bin"), new)
+        assert fresh_read(c, 0, "w.bin") == (len(mine), mine), f"node 0 lost its own writes ({datapath})"
+    finally:
+        os.close(w)
+    assert fresh_read(c, 0, "w.bin") == (len(mine), mine)
+    assert fresh_read(c, 1, "w.bin") == (len(mine), mine), f"node 0's later close is the newest version ({datapath})"
+    assert_clean(c)
+
+
 # ============================================================== (b) DP replicas, dedup
 
 
