@@ -230,16 +230,6 @@ def test_kill9_keeps_a_deduplicated_chunk_whose_home_was_written_again(s3m, data
     assert_no_bug(m2.log())
 
 
-def files_under(root: str) -> dict[str, bytes]:
-    """Every file below ``root`` (path relative to it) -> its bytes."""
-    out = {}
-    for top, _dirs, names in os.walk(root):
-        for n in names:
-            p = os.path.join(top, n)
-            out[os.path.relpath(p, root)] = get(p)
-    return out
-
-
 def test_kill9_before_the_backend_follows_renames_and_links_keeps_them(s3m):
     """A rename, a link, an unlink that leaves a name and a directory rename of durable files change the
     metadata at once; the backend follows in the background.  A kill -9 before it had used to lose that
@@ -265,13 +255,13 @@ def test_kill9_before_the_backend_follows_renames_and_links_keeps_them(s3m):
     r = aiturbo("wait", m2.mountpoint, check=False, timeout=WAIT_S)
     assert r.returncode == 0, r.stderr
     time.sleep(IMPORT_SETTLE_S)  # a re-listing of the root would bring back what the backend still had
-    assert files_under(m2.mountpoint) == want
+    assert local_objects(m2.mountpoint) == want
     assert s3m.objects() == want
     assert "resuming the backend move of ino=" in m2.log()
     assert_no_bug(m2.log())
     assert m2.stop() == 0
     fresh = s3m.mount(name="fresh")
-    assert files_under(fresh.mountpoint) == want
+    assert local_objects(fresh.mountpoint) == want
 
 
 def test_kill9_between_a_backend_move_and_its_record_finds_the_object_moved(s3m):

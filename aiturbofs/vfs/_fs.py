@@ -738,8 +738,10 @@ class Filesystem:
     async def open(self, ino: int, flags: int, *, uid: int = 0) -> tuple[Handle, bool]:
         """Open ``ino`` for the caller ``uid``; returns the handle and whether kernel pages stay valid."""
         node = await self._inode(ino)
-        if not self._written_here(node):
-            await self._take_latest(node)  # close-to-open, also beside descriptors open here
+        if not self._written_here(node) and (self.cluster.shared or node.opens == 0):
+            # close-to-open; across nodes also beside descriptors open here (alone, no other node
+            # commits: the row held stands while the file is open, and an open costs no metadata read)
+            await self._take_latest(node)
         row = node.row
         if stat.S_ISDIR(row.mode):
             raise IsADirectory("open of a directory as a file")
