@@ -80,6 +80,12 @@ class InodeRow:
     persisted_version: int = -1
     owner: str | None = None  # node persisting the current version (None: single node)
     holders: list[str] = field(default_factory=list)  # nodes with its chunks in DRAM
+    persisted_attrs: tuple[int, int, int, int] | None = None  # see attrs()
+
+    def attrs(self) -> tuple[int, int, int, int]:
+        """``(mode, uid, gid, mtime_ns)``: what a backend that keeps attributes
+        holds of this inode beside its bytes (``Backend.keeps_attrs``)."""
+        return (self.mode, self.uid, self.gid, self.mtime_ns)
 
 
 @dataclass

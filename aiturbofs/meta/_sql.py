@@ -27,8 +27,9 @@ Schema (version ``SCHEMA_VERSION``):
   column: SQLite then reaches every other column (stats, state scans)
   without walking the blob's overflow pages.  (A database migrated from v1
   has ``owner`` and ``holders`` after it: only full-row reads, which read
-  the manifest anyway, touch them.)  ``backend_keys`` and ``holders`` are
-  JSON lists of strings.
+  the manifest anyway, touch them; so does ``persisted_attrs``, from v4.)
+  ``backend_keys`` and ``holders`` are JSON lists of strings,
+  ``persisted_attrs`` a JSON list of four integers or NULL.
 - ``dentries``: ``(parent, name)`` is unique and indexed for lookups; ``id``
   is an ever-growing identity that orders a directory for readdir, so a
   resume token stays valid whatever is created or removed meanwhile.
@@ -50,7 +51,10 @@ Schema (version ``SCHEMA_VERSION``):
   for files.
 - ``meta_schema``: one row, the schema version.  v2 added ``owner`` and
   ``holders`` to ``inodes`` and the ``nodes`` and ``chunk_sources`` tables;
-  v3 the ``moves`` table.
+  v3 the ``moves`` table; v4 added ``persisted_attrs``, which a migration
+  fills with each row's own attributes (what the backend holds of rows
+  persisted before is unknown: they are taken as persisted, so nothing is
+  pushed that was not changed).
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ from ._base import (
     NodeRow,
 )
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _COLS = ", ".join(INODE_FIELDS)
 _ICOLS = ", ".join("i." + name for name in INODE_FIELDS)
@@ -103,6 +107,8 @@ _BYTES_FIELDS = ("target", "manifest")
 _JSON_FIELDS = ("backend_keys", "holders")  # lists of strings, stored as JSON text
 # The inode columns v2 added: in CREATE TABLE, and in ALTER TABLE for a v1 database.
 _INODE_COLUMNS_V2 = ("owner TEXT", "holders TEXT NOT NULL DEFAULT '[]'")
+_INODE_COLUMN_V4 = "persisted_attrs TEXT"
+_ATTRS_FIELD = "persisted_attrs"  # a tuple of ints or None, stored as JSON text or NULL
 _HOLE = bytes(HASH_BYTES)  # aiturbofs.chunk.HOLE (meta does not import chunk)
 _NODE_COLS = "name, address, state, heartbeat_ns, info"
 
@@ -165,12 +171,14 @@ def _row(values: Sequence[Any]) -> InodeRow:
             row[name] = bytes(row[name])  # psycopg may hand out memoryview
     for name in _JSON_FIELDS:
         row[name] = json.loads(row[name])
+    if row[_ATTRS_FIELD] is not None:
+        row[_ATTRS_FIELD] = tuple(json.loads(row[_ATTRS_FIELD]))
     return InodeRow(**row)
 
 
 def _to_column(name: str, value: Any) -> Any:
     """The database value of field ``name``."""
-    if name in _JSON_FIELDS:
+    if name in _JSON_FIELDS or (name == _ATTRS_FIELD and value is not None):
         return json.dumps(list(value))
     if name in _BYTES_FIELDS and value is not None:
         return bytes(value)
@@ -202,6 +210,9 @@ def _check_fields(fields: dict[str, Any], allowed: Iterable[str] = SETTABLE_FIEL
     for name in _JSON_FIELDS:
         if isinstance(fields.get(name), (str, bytes)):  # list() would split it up
             raise ValueError(f"{name} must be a list of strings, not {fields[name]!r}")
+    attrs = fields.get(_ATTRS_FIELD)
+    if attrs is not None and (len(attrs) != 4 or not all(isinstance(v, int) for v in attrs)):
+        raise ValueError(f"{_ATTRS_FIELD} must be four integers, not {attrs!r}")
 
 
 def check_name(name: bytes) -> None:
@@ -307,7 +318,7 @@ class SqlMetaStore(MetaStore):
                 target {b}, state TEXT, version {i} NOT NULL,
                 backend_keys TEXT NOT NULL, backend_etag TEXT,
                 imported_ns {i} NOT NULL, persisted_version {i} NOT NULL,
-                {", ".join(_INODE_COLUMNS_V2)}, manifest {b})""",
+                {", ".join(_INODE_COLUMNS_V2)}, {_INODE_COLUMN_V4}, manifest {b})""",
             "CREATE INDEX inodes_state ON inodes (state)",
             # Tiny: only orphans are in it, found at every start.
             "CREATE INDEX inodes_orphan ON inodes (ino) WHERE nlink = 0",
@@ -384,6 +395,9 @@ class SqlMetaStore(MetaStore):
                 tx.run(ddl)
         if from_version < 3:  # names changed but not yet in the backend: none known
             tx.run(self._moves_schema())
+        if from_version < 4:  # attributes in the backend (see the module doc)
+            tx.run(f"ALTER TABLE inodes ADD COLUMN {_INODE_COLUMN_V4}")
+            tx.run("UPDATE inodes SET persisted_attrs = '[' || mode || ',' || uid || ',' || gid || ',' || mtime_ns || ']'")
         tx.run("UPDATE meta_schema SET version = ?", SCHEMA_VERSION)
 
     # --- shared transaction pieces ----------------------------------------------------
