@@ -660,6 +660,72 @@ class TestLocal(BackendConformance):
 
         run(target, body)
 
+    def test_published_object_has_its_attributes_and_its_temp_was_its_owners_only(self, target: Target):
+        """A 0600 file of another user never is, not even while it is written,
+        a file every local user can read (issue 23: files arrived 0644 root)."""
+        root = target.url[len("file://") :]
+        other = _OTHER_ID
+        mtime_ns = 1_600_000_000_123_456_789
+
+        async def body(b: Backend):
+            assert b.keeps_attrs
+            for key, mode, owner in [("secret", 0o600, other), ("suid", 0o4755, 0), ("shared", 0o666, other),
+                                     ("group", 0o2640, other)]:
+                owner = owner if _ROOT else os.getuid()
+                upload = await b.open_upload(f"d/{key}", part_bytes=4)
+                await upload.write_part(1, b"5678")  # into the temp file now (a small part 0 waits in memory)
+                (temp,) = _temp_files(root)
+                assert stat.S_IMODE(os.stat(temp).st_mode) == 0o600, key
+                await upload.write_part(0, b"1234")
+                info = await upload.complete(8, attrs=NodeAttrs(stat.S_IFREG | mode, owner, owner, mtime_ns))
+                st = os.stat(os.path.join(root, "d", key))
+                assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_mtime_ns) == (mode, owner, owner, mtime_ns)
+                assert (info.etag, info.mode, info.uid, info.gid) == (_local._etag(st), st.st_mode, owner, owner)
+                assert await read_all(b, f"d/{key}") == b"12345678"
+            await put(b, "plain", b"x")  # no attributes: the backend's default
+            assert stat.S_IMODE(os.stat(os.path.join(root, "plain")).st_mode) == 0o644
+            listed = {info.key: info for info in await b.list_dir("d")}
+            assert stat.S_IMODE(listed["d/secret"].mode) == 0o600 and listed["d/secret"].uid == (other if _ROOT else os.getuid())
+            await b.copy("d/secret", "copy", attrs=NodeAttrs(stat.S_IFREG | 0o640, 0, 0, mtime_ns + 1))
+            st = os.stat(os.path.join(root, "copy"))
+            assert (stat.S_IMODE(st.st_mode), st.st_mtime_ns) == (0o640, mtime_ns + 1)
+
+        run(target, body)
+
+    def test_set_attrs_changes_no_bytes(self, target: Target):
+        """chmod/chown/utime of a durable file, directory or node reach the backend in place."""
+        root = target.url[len("file://") :]
+        uid = _OTHER_ID if _ROOT else os.getuid()
+        t = 1_500_000_000_000_000_007
+
+        def attrs_of(key: str) -> tuple[int, int, int, int]:
+            st = os.lstat(os.path.join(root, key))
+            return (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns)
+
+        async def body(b: Backend):
+            await put(b, "f", b"data")
+            before = os.stat(os.path.join(root, "f"))
+            info = await b.set_attrs("f", NodeAttrs(stat.S_IFREG | 0o4750, uid, uid, t))
+            assert attrs_of("f") == (stat.S_IFREG | 0o4750, uid, uid, t)
+            assert os.stat(os.path.join(root, "f")).st_ino == before.st_ino and await read_all(b, "f") == b"data"
+            assert info.etag == _local._etag(os.stat(os.path.join(root, "f"))) != _local._etag(before)
+            await b.write_node("d", NodeAttrs(stat.S_IFDIR | 0o700, uid, uid, t))  # a directory gets them too
+            assert attrs_of("d") == (stat.S_IFDIR | 0o700, uid, uid, t)
+            await b.set_attrs("d", NodeAttrs(stat.S_IFDIR | 0o1777, 0, 0, t + 1))
+            assert attrs_of("d") == (stat.S_IFDIR | 0o1777, 0, 0, t + 1)
+            await b.write_node("link", NodeAttrs(stat.S_IFLNK | 0o777, target=b"f"))
+            await b.set_attrs("link", NodeAttrs(stat.S_IFLNK | 0o777, uid, uid, t + 2))  # the link, not f
+            assert attrs_of("link")[1:] == (uid, uid, t + 2) and attrs_of("f")[3] == t
+            await b.write_node("fifo", NodeAttrs(stat.S_IFIFO | 0o600))
+            await b.set_attrs("fifo", NodeAttrs(stat.S_IFIFO | 0o644, uid, uid, t + 3))  # never opened for it
+            assert attrs_of("fifo") == (stat.S_IFIFO | 0o644, uid, uid, t + 3)
+            with pytest.raises(BackendError, match="type"):
+                await b.set_attrs("d", NodeAttrs(stat.S_IFREG | 0o600))
+            with pytest.raises(BackendNotFound):
+                await b.set_attrs("missing", NodeAttrs(stat.S_IFREG | 0o600))
+
+        run(target, body)
+
     def test_long_name_still_fits_beside_it(self, target: Target):
         async def body(b: Backend):
             await put(b, "n" * 255, b"long")
@@ -812,6 +878,10 @@ class TestLocal(BackendConformance):
 
         run(target, body)
         assert calls  # in the kernel, not through this process (supports_server_copy)
+
+
+_ROOT = os.geteuid() == 0  # only root gives files away (chown)
+_OTHER_ID = 65534  # nobody
 
 
 def _umask() -> int:

@@ -64,16 +64,20 @@ class ObjectInfo:
     mtime_ns: int  # 0 if unknown
     etag: str | None  # changes when content changes; None for directories
     is_dir: bool
-    # st_mode of a node the listing itself shows to be other than a plain
-    # object (file://: a symlink, FIFO, device); 0 where the listing cannot
-    # tell (S3: see ``Backend.node_probe_bytes_max``).
+    # st_mode (type bits included) where the listing shows it: on a backend
+    # that keeps attributes (``Backend.keeps_attrs``) every entry's, elsewhere
+    # only a node's the listing itself shows to be other than a plain object;
+    # 0 where the listing cannot tell (S3: see ``Backend.node_probe_bytes_max``).
     mode: int = 0
+    uid: int | None = None  # the owner, where the backend keeps attributes
+    gid: int | None = None
 
 
 @dataclass(frozen=True)
 class NodeAttrs:
-    """A namespace node that is not a regular file, as the backend holds it
-    (see docs/design.md, "What the backend holds").
+    """A namespace node as the backend holds it (see docs/design.md, "What the
+    backend holds"): all of a symlink, directory or special file; of a regular
+    file, what a backend that keeps attributes stores beside its bytes.
 
     ``mode`` is the full st_mode (type bits included); ``target`` is a
     symlink's target, ``rdev`` a device's number.  ``uid``/``gid``/``mtime_ns``
@@ -435,8 +439,13 @@ class Upload(ABC):
         self._add_remote_part(index, length, receipt)
         self._part_lengths[index] = length
 
-    async def complete(self, size: int) -> ObjectInfo:
+    async def complete(self, size: int, *, attrs: NodeAttrs | None = None) -> ObjectInfo:
         """Publish the object at ``key`` with ``size`` bytes, replacing any old one.
+
+        Where the backend ``keeps_attrs``, the object has ``attrs``' permission
+        bits, owner and mtime from the moment it is visible (an upload's temp
+        object is readable by its owner only, before and after); without
+        ``attrs`` it gets the backend's defaults.  Others ignore ``attrs``.
 
         Parts ``0 .. ceil(size / part_bytes) - 1`` must all be present with the
         right lengths (no part at all for an empty object), else
@@ -453,7 +462,7 @@ class Upload(ABC):
         self._state = "completing"  # no part may change under the publish
         try:
             with self._in_flight():
-                info = await self._complete(size, part_count)
+                info = await self._complete(size, part_count, attrs)
         except BaseException:
             if self._state == "completing":
                 self._state = "open"  # a retry may follow
@@ -485,7 +494,7 @@ class Upload(ABC):
     async def _copy_part(self, index: int, src_key: str, offset: int, length: int, if_etag: str | None) -> None: ...
 
     @abstractmethod
-    async def _complete(self, size: int, part_count: int) -> ObjectInfo: ...
+    async def _complete(self, size: int, part_count: int, attrs: NodeAttrs | None) -> ObjectInfo: ...
 
     @abstractmethod
     async def _abort(self) -> None:
@@ -582,6 +591,10 @@ class Backend(ABC):
     # target, a FIFO's is empty) that only ``read_node`` can tell: -1 where
     # the listing itself tells (``ObjectInfo.mode``).
     node_probe_bytes_max: int = -1
+    # Objects and directories carry permission bits, owner and mtime
+    # (``Upload.complete``'s and ``copy``'s ``attrs``, ``set_attrs``), and
+    # listings show them (``ObjectInfo.mode``, ``uid``, ``gid``, ``mtime_ns``).
+    keeps_attrs: bool = False
 
     @classmethod
     @abstractmethod
@@ -660,15 +673,16 @@ class Backend(ABC):
     async def _write_remote_part(self, key: str, token: str, index: int, data: Buffer, part_bytes: int) -> str:
         raise NotImplementedError("a backend that supports_remote_parts implements _write_remote_part")
 
-    async def copy(self, src: str, dst: str) -> None:
+    async def copy(self, src: str, dst: str, *, attrs: NodeAttrs | None = None) -> None:
         """Copy object ``src`` to ``dst`` (replacing it), creating parent dirs.
 
         The default copies part by part through ``copy_part`` and publishes
-        atomically.  Raises ``BackendNotFound`` if ``src`` is missing,
-        ``BackendError`` if it is a directory.
+        atomically, with ``attrs`` as ``Upload.complete`` takes them.  Raises
+        ``BackendNotFound`` if ``src`` is missing, ``BackendError`` if it is a
+        directory.
         """
         check_key(dst)
-        await self._copy_by_parts(await self._stat_object(src), dst)
+        await self._copy_by_parts(await self._stat_object(src), dst, attrs)
 
     @abstractmethod
     async def move(self, src: str, dst: str) -> None:
@@ -693,6 +707,23 @@ class Backend(ABC):
 
     async def _write_node(self, key: str, node: NodeAttrs) -> None:
         raise NotImplementedError("a backend with node_kinds implements _write_node")
+
+    async def set_attrs(self, key: str, attrs: NodeAttrs) -> ObjectInfo:
+        """Give the object, directory or node at ``key`` the permission bits,
+        owner and mtime of ``attrs`` without writing it again (its type must be
+        ``attrs``'); returns its info now (an etag may count the mtime).
+
+        Owners are set only where this process may (as root).  Raises
+        ``NotSupported`` unless ``keeps_attrs``, ``BackendNotFound`` if
+        ``key`` is missing, ``BackendError`` if it is of another type.
+        """
+        check_key(key)
+        if not self.keeps_attrs:
+            raise NotSupported(f"{self.url} keeps no attributes (set_attrs of {key!r})")
+        return await self._set_attrs(key, attrs)
+
+    async def _set_attrs(self, key: str, attrs: NodeAttrs) -> ObjectInfo:
+        raise NotImplementedError("a backend that keeps_attrs implements _set_attrs")
 
     async def read_node(self, key: str) -> NodeAttrs | None:
         """The node at ``key`` if it is one (a symlink, a FIFO, a device, by
@@ -722,7 +753,7 @@ class Backend(ABC):
             raise BackendError(f"{key!r} is a directory, not an object", errno_=errno.EISDIR)
         return info
 
-    async def _copy_by_parts(self, src: ObjectInfo, dst: str) -> None:
+    async def _copy_by_parts(self, src: ObjectInfo, dst: str, attrs: NodeAttrs | None = None) -> None:
         part_bytes = BACKEND_COPY_PART_BYTES
         upload = await self._open_upload(dst, part_bytes)
         try:
@@ -731,7 +762,7 @@ class Backend(ABC):
                 # meanwhile fails the copy instead of mixing two versions.
                 size = min(part_bytes, src.size - offset)
                 await upload.copy_part(index, src.key, offset, size, if_etag=src.etag)
-            await upload.complete(src.size)
+            await upload.complete(src.size, attrs=attrs)
         except BaseException:
             # The copy's own error is the one to report; a failed cleanup
             # leaves at worst a hidden temp or a pending multipart upload.

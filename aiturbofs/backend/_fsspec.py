@@ -158,7 +158,7 @@ class FsspecBackend(Backend):
         )
         return FsspecUpload(self, key, part_bytes, tmp_path, fd)
 
-    async def copy(self, src: str, dst: str) -> None:
+    async def copy(self, src: str, dst: str, *, attrs: NodeAttrs | None = None) -> None:
         """``cp_file``, which may or may not stay inside the storage system."""
         check_key(dst)
         await self._stat_object(src)  # some filesystems copy a directory silently
@@ -286,7 +286,7 @@ class FsspecUpload(Upload):
             raise BackendError(f"{what}: the source ends at byte {offset + len(data)}")
         await self._write_part(index, data)
 
-    async def _complete(self, size: int, part_count: int) -> ObjectInfo:
+    async def _complete(self, size: int, part_count: int, attrs: NodeAttrs | None) -> ObjectInfo:
         await self._backend._run(f"publish {self.key!r}", self._publish_sync, size, abandon_on_cancel=False)
         info = await self._backend.stat(self.key)
         if info is None or info.size != size:

@@ -1,11 +1,13 @@
 """The local-directory backend (``file:///abs/path`` or a plain absolute path).
 
 Owns: mapping keys to paths under the root, crash-safe publishing (parts go
-into a hidden temp file beside the target, which is fsynced and renamed over
-it), parts written into that temp file by other processes (``flock`` keeps
-them from landing after the rename), and turning ``OSError`` into the
-backend error vocabulary in one place (``_mapped``).  Every os call runs in
-a worker thread; nothing here retries.
+into a hidden temp file beside the target, readable by its owner only, which
+gets the file's mode, owner and mtime, is fsynced and renamed over it),
+parts written into that temp file by other processes (``flock`` keeps them
+from landing after the rename), files', directories' and nodes' attributes
+(``_apply_attrs``), and turning ``OSError`` into the backend error
+vocabulary in one place (``_mapped``).  Every os call runs in a worker
+thread; nothing here retries.
 """
 
 from __future__ import annotations
@@ -81,6 +83,11 @@ _NO_COPY_FILE_RANGE_ERRNOS = frozenset({errno.EXDEV, errno.ENOSYS, errno.EOPNOTS
 # can name no file but an upload temp beside its own key.
 _TEMP_NONCE_BYTES = 8
 _TEMP_NONCE = re.compile(f"[0-9a-f]{{{2 * _TEMP_NONCE_BYTES}}}")
+# An upload's temp file is its owner's alone while it is written: the file
+# may be 0600, and the temp is beside the target, in the same directory.
+_TEMP_MODE = 0o600
+# What an object published without attributes gets (``Upload.complete``).
+_DEFAULT_FILE_MODE = 0o644
 
 
 @contextmanager
@@ -102,11 +109,14 @@ class LocalBackend(Backend):
     Options: ``call_timeout_s``.  Nodes are what they are: a symlink is a
     real symlink (listed with its own mode, never followed to list or read),
     a FIFO or socket (an inode, not a listener) itself, a device a device
-    node (only when running as root: mknod needs CAP_MKNOD).  Keys themselves cannot escape the root.
+    node (only when running as root: mknod needs CAP_MKNOD).  Files,
+    directories and nodes carry their mode, owner (when running as root:
+    chown needs CAP_CHOWN) and mtime.  Keys themselves cannot escape the root.
     """
 
     supports_server_copy = True  # copy_file_range: no bytes through this process
     supports_remote_parts = True  # into the temp file, by any process that sees the root at the same path
+    keeps_attrs = True
     _OPTIONS = {"call_timeout_s"}
 
     def __init__(self, root: str, timeout_s: float):
@@ -194,6 +204,10 @@ class LocalBackend(Backend):
     async def read_node(self, key: str) -> NodeAttrs | None:
         check_key(key)
         return await self._run(f"read node {key!r}", _read_node_sync, self._path(key))
+
+    async def _set_attrs(self, key: str, attrs: NodeAttrs) -> ObjectInfo:
+        return await self._run(f"set attributes of {key!r}", _set_attrs_sync, self._path(key), key, attrs,
+                               self._root, abandon_on_cancel=False)
 
     async def makedirs(self, key: str) -> None:
         """mkdir -p; raises ``BackendError`` if a file is in the way."""
@@ -298,8 +312,9 @@ class LocalUpload(Upload):
         if receipt != str(length):
             raise InvalidArgument(f"part {index} of {self.key!r}: receipt {receipt!r:.100} is not for {length} bytes")
 
-    async def _complete(self, size: int, part_count: int) -> ObjectInfo:
-        st = await self._backend._run(f"publish {self.key!r}", self._publish_sync, size, abandon_on_cancel=False)
+    async def _complete(self, size: int, part_count: int, attrs: NodeAttrs | None) -> ObjectInfo:
+        st = await self._backend._run(f"publish {self.key!r}", self._publish_sync, size, attrs,
+                                      abandon_on_cancel=False)
         info = _info(self.key, st)
         assert info is not None  # what we published is a regular file
         return info
@@ -307,7 +322,7 @@ class LocalUpload(Upload):
     async def _abort(self) -> None:
         await self._backend._run(f"abort upload of {self.key!r}", self._abort_sync, abandon_on_cancel=False)
 
-    def _publish_sync(self, size: int) -> os.stat_result:
+    def _publish_sync(self, size: int, attrs: NodeAttrs | None) -> os.stat_result:
         # Steps already done by an earlier attempt that failed later are skipped,
         # so complete() can be retried.
         if not self._published:
@@ -318,6 +333,11 @@ class LocalUpload(Upload):
             try:
                 self._write_kept()
                 os.ftruncate(fd, size)  # also drops the tail of a longer earlier last part
+                # After the last write (which moves the mtime), before anyone can see it.
+                if attrs is None:
+                    os.fchmod(fd, _DEFAULT_FILE_MODE)
+                else:
+                    _apply_attrs(fd, os.fstat(fd), attrs)
                 os.fsync(fd)
                 os.replace(self._tmp_path, self._path)
             except BaseException:
@@ -367,14 +387,17 @@ def _ensure_root(root: str) -> None:
 
 def _info(key: str, st: os.stat_result) -> ObjectInfo | None:
     """ObjectInfo of a regular file or directory, or (from an lstat) of a
-    symlink, FIFO, device or socket with its mode."""
+    symlink, FIFO, device or socket, with its mode and owner."""
     if stat_mod.S_ISDIR(st.st_mode):
-        return ObjectInfo(key, 0, st.st_mtime_ns, None, True)
-    if stat_mod.S_ISREG(st.st_mode):
-        return ObjectInfo(key, st.st_size, st.st_mtime_ns, _etag(st), False)
-    if stat_mod.S_IFMT(st.st_mode) in _NODE_TYPES:
-        return ObjectInfo(key, st.st_size, st.st_mtime_ns, None, False, mode=st.st_mode)
-    return None
+        etag, is_dir = None, True
+    elif stat_mod.S_ISREG(st.st_mode):
+        etag, is_dir = _etag(st), False
+    elif stat_mod.S_IFMT(st.st_mode) in _NODE_TYPES:
+        etag, is_dir = None, False
+    else:
+        return None
+    return ObjectInfo(key, 0 if is_dir else st.st_size, st.st_mtime_ns, etag, is_dir,
+                      mode=st.st_mode, uid=st.st_uid, gid=st.st_gid)
 
 
 _NODE_TYPES = frozenset({stat_mod.S_IFLNK, stat_mod.S_IFIFO, stat_mod.S_IFCHR, stat_mod.S_IFBLK, stat_mod.S_IFSOCK})
@@ -441,6 +464,7 @@ def _write_node_sync(path: str, node: NodeAttrs, root: str) -> None:
         if kind == stat_mod.S_IFDIR:
             _check_inside(path, root)
             os.makedirs(path, exist_ok=True)
+            _apply_attrs(path, os.lstat(path), node)
             return None
         tmp = os.path.join(parent, _temp_name(os.path.basename(path), secrets.token_hex(_TEMP_NONCE_BYTES)))
         if kind == stat_mod.S_IFLNK:
@@ -453,12 +477,7 @@ def _write_node_sync(path: str, node: NodeAttrs, root: str) -> None:
     if tmp is None:
         return
     try:
-        if node.uid is not None and node.gid is not None:
-            os.chown(tmp, node.uid, node.gid, follow_symlinks=False)
-        if kind != stat_mod.S_IFLNK:
-            os.chmod(tmp, stat_mod.S_IMODE(node.mode))
-        if node.mtime_ns is not None:
-            os.utime(tmp, ns=(node.mtime_ns, node.mtime_ns), follow_symlinks=False)
+        _apply_attrs(tmp, os.lstat(tmp), node)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -476,6 +495,63 @@ def _read_node_sync(path: str) -> NodeAttrs | None:
         return None
     target = os.readlink(os.fsencode(path)) if stat_mod.S_ISLNK(st.st_mode) else None
     return NodeAttrs(st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns, st.st_rdev, target)
+
+
+def _apply_attrs(target: int | str, st: os.stat_result, attrs: NodeAttrs) -> None:
+    """Give ``target`` (an fd, or a path: a symlink is not followed) the
+    owner, permission bits and mtime of ``attrs`` where ``st`` (its stat)
+    differs (blocking).
+
+    The owner first (chown clears setuid and setgid), and only as root:
+    elsewhere a file stays this process's, and whatever the kernel refuses
+    to a process that is not root (a setgid bit of a group it is not in, a
+    directory of another user) is left as it is.
+    """
+    follow = isinstance(target, int)  # an fd: the flag must stay at its default
+    root = os.geteuid() == 0
+    try:
+        chowned = False
+        if (root and attrs.uid is not None and attrs.gid is not None
+                and (st.st_uid, st.st_gid) != (attrs.uid, attrs.gid)):
+            os.chown(target, attrs.uid, attrs.gid, follow_symlinks=follow)
+            chowned = True
+        mode = stat_mod.S_IMODE(attrs.mode)
+        if not stat_mod.S_ISLNK(st.st_mode) and (chowned or stat_mod.S_IMODE(st.st_mode) != mode):
+            os.chmod(target, mode)  # not a symlink: a path is the node itself (symlinks have no mode)
+        if attrs.mtime_ns is not None and st.st_mtime_ns != attrs.mtime_ns:
+            os.utime(target, ns=(st.st_atime_ns, attrs.mtime_ns), follow_symlinks=follow)
+    except PermissionError:
+        if root:
+            raise
+
+
+def _set_attrs_sync(path: str, key: str, attrs: NodeAttrs, root: str) -> ObjectInfo:
+    """``Backend.set_attrs``: a regular file or directory through an fd opened
+    without following a symlink (no path lookup between the check and the
+    change), other nodes by their path."""
+    _check_inside(os.path.dirname(path), root)
+    st = os.lstat(path)
+    if stat_mod.S_IFMT(st.st_mode) != stat_mod.S_IFMT(attrs.mode):
+        raise BackendError(f"set attributes of {key!r}: it is of type {stat_mod.S_IFMT(st.st_mode):o}, "
+                           f"not {stat_mod.S_IFMT(attrs.mode):o}")
+    if stat_mod.S_ISREG(st.st_mode) or stat_mod.S_ISDIR(st.st_mode):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except PermissionError:  # not root, and not readable: by its path
+            _apply_attrs(path, st, attrs)
+        else:
+            try:
+                st = os.fstat(fd)
+                if stat_mod.S_IFMT(st.st_mode) != stat_mod.S_IFMT(attrs.mode):
+                    raise BackendError(f"set attributes of {key!r}: replaced meanwhile by another type")
+                _apply_attrs(fd, st, attrs)
+            finally:
+                os.close(fd)
+    else:
+        _apply_attrs(path, st, attrs)
+    info = _info(key, os.lstat(path))
+    assert info is not None  # a regular file, directory or node, as checked
+    return info
 
 
 def _stat_sync(path: str, key: str) -> ObjectInfo | None:
@@ -555,7 +631,7 @@ def _create_temp_sync(path: str, nonce: str, root: str) -> tuple[str, int]:
     parent = os.path.dirname(path)
     tmp_path = os.path.join(parent, _temp_name(os.path.basename(path), nonce))
     return tmp_path, _in_parent(
-        parent, root, lambda: os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
+        parent, root, lambda: os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _TEMP_MODE))
 
 
 def _copy_range_sync(

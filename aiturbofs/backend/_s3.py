@@ -320,7 +320,7 @@ class S3Backend(Backend):
         _check_part_number(key, index, part_bytes, self.parts_max)
         return await self._upload_part(f"write remote part {index} of {key!r}", key, upload_id, index, data)
 
-    async def copy(self, src: str, dst: str) -> None:
+    async def copy(self, src: str, dst: str, *, attrs: NodeAttrs | None = None) -> None:
         """CopyObject, or UploadPartCopy part by part above S3_COPY_OBJECT_BYTES_MAX."""
         check_key(dst)
         info = await self._stat_object(src)
@@ -601,7 +601,7 @@ class S3Upload(Upload):
             raise ValueError(f"remote part {index} of {self.key!r} added before any token was handed out")
         self._store_etag(index, receipt)
 
-    async def _complete(self, size: int, part_count: int) -> ObjectInfo:
+    async def _complete(self, size: int, part_count: int, attrs: NodeAttrs | None) -> ObjectInfo:
         if not self._published:  # a retried complete goes straight to the check
             put = await self._publish(part_count)
             self._published = True
