@@ -311,6 +311,16 @@ class MetaConformance:
         assert (await store.get_inode(d.ino)).mtime_ns > T0
 
     @trio_test
+    async def test_an_imported_entry_leaves_its_directorys_times(self, store):
+        """The backend's directory already had it: listing it must not make the directory new."""
+        d = await store.create(ROOT_INO, b"d", dir_row())
+        d = await store.set_attrs(d.ino, mtime_ns=T0, ctime_ns=T0)
+        await store.create(d.ino, b"f", file_row(), imported=True)
+        await store.create(d.ino, b"sub", dir_row(), imported=True)
+        row = await store.get_inode(d.ino)
+        assert (row.mtime_ns, row.ctime_ns, row.nlink) == (T0, T0, 3)
+
+    @trio_test
     async def test_create_errors(self, store):
         f = await store.create(ROOT_INO, b"f", file_row())
         with pytest.raises(err.Exists):

@@ -181,6 +181,7 @@ class MetaStore(ABC):
         row: InodeRow,
         *,
         inherit_xattr_prefix: bytes | None = INHERIT_XATTR_PREFIX,
+        imported: bool = False,
     ) -> InodeRow:
         """Allocate a new inode from ``row`` and link it as ``parent/name``.
 
@@ -188,8 +189,9 @@ class MetaStore(ABC):
         is set by the engine (2 for a directory, 1 otherwise).  A regular file
         without a state starts ``STATE_STAGED``; other types keep the state they
         come with (None: they live in the metadata only).
-        The parent's mtime/ctime are set to now and its nlink grows by one
-        for a new directory.  A new directory or regular file gets a copy of
+        The parent's mtime/ctime are set to now (unless ``imported``: the
+        entry was in the backend's directory already, which did not change)
+        and its nlink grows by one for a new directory.  A new directory or regular file gets a copy of
         the parent's xattrs whose name starts with ``inherit_xattr_prefix``
         (none if ``None``), except ``STATE_XATTR``.  Returns the stored row.
         Raises ``NotFound`` (parent), ``NotADirectory`` (parent), ``Exists``,

@@ -463,8 +463,11 @@ class SqlMetaStore(MetaStore):
         assert found is not None, f"inode {ino} vanished inside its transaction"  # callers hold the inode
         return _row(found)
 
-    def _touch_dir(self, tx: Tx, ino: int, now: int, nlink_delta: int = 0) -> None:
-        """A directory's entries changed: mtime/ctime = now; a subdir came or went."""
+    def _touch_dir(self, tx: Tx, ino: int, now: int | None, nlink_delta: int = 0) -> None:
+        """A directory's entries changed: mtime/ctime = now (None: they stay); a subdir came or went."""
+        if now is None:
+            tx.run("UPDATE inodes SET nlink = nlink + ? WHERE ino = ?", nlink_delta, ino)
+            return
         tx.run(
             "UPDATE inodes SET mtime_ns = ?, ctime_ns = ?, nlink = nlink + ? WHERE ino = ?",
             now,
@@ -600,12 +603,15 @@ class SqlMetaStore(MetaStore):
         row: InodeRow,
         *,
         inherit_xattr_prefix: bytes | None = INHERIT_XATTR_PREFIX,
+        imported: bool = False,
     ) -> InodeRow:
         return await self._run(
-            self._tx_create, parent, name, row, inherit_xattr_prefix, write=True, dirs=(parent,)
+            self._tx_create, parent, name, row, inherit_xattr_prefix, imported, write=True, dirs=(parent,)
         )
 
-    def _tx_create(self, tx: Tx, parent: int, name: bytes, row: InodeRow, prefix: bytes | None) -> InodeRow:
+    def _tx_create(
+        self, tx: Tx, parent: int, name: bytes, row: InodeRow, prefix: bytes | None, imported: bool
+    ) -> InodeRow:
         check_name(name)
         self._check_new_row(row)
         self._dir(tx, parent)
@@ -619,7 +625,7 @@ class SqlMetaStore(MetaStore):
             state = STATE_STAGED
         new = self._insert_inode(tx, dataclasses.replace(row, nlink=2 if is_dir else 1, state=state))
         tx.run("INSERT INTO dentries (parent, name, ino) VALUES (?, ?, ?)", parent, name, new.ino)
-        self._touch_dir(tx, parent, self._now_ns(), 1 if is_dir else 0)
+        self._touch_dir(tx, parent, None if imported else self._now_ns(), 1 if is_dir else 0)
         # Tags steer the I/O of files and the files below directories; user.*
         # xattrs on other types are refused by Linux, so none are copied there.
         if prefix is not None and (is_dir or stat.S_ISREG(row.mode)):
