@@ -127,6 +127,10 @@ READDIR_BATCH_ENTRIES = 256  # entries one FUSE readdir reads from the metadata 
 IMPORT_READDIR_BATCH_ENTRIES = 1024  # entries an import reads at once to compare with a listing
 RENAME_READDIR_BATCH_ENTRIES = 512  # entries a renamed tree's walk reads at once
 DIRS_TO_CLEAN_MAX = 10_000  # removed directories whose backend directory waits to be removed
+# A backend directory whose entries the persister changed gets its mtime back
+# this long after the first change (file://): a burst of files in it costs one call.
+DIR_ATTRS_SETTLE_S = 0.5
+DIRS_SETTLING_MAX = 10_000  # directories waiting so; beyond, one is queued at once
 SEAL_QUEUE_MAX = 1024  # full chunks waiting for the background sealer
 META_BUSY_TIMEOUT_S = 30.0  # sqlite: wait this long for another daemon's write lock
 META_READDIR_ENTRIES_MAX = 4096  # entries one readdir call returns at most

@@ -19,7 +19,7 @@ import pytest
 from faults import FaultyS3Proxy
 from mounting import aiturbo
 from s3server import S3Server, s3_server  # noqa: F401  (s3_server is a fixture)
-from test_durability import WAIT_S, aiturbo_proc, s3, s3_outage_server, s3m  # noqa: F401  (fixtures)
+from test_durability import WAIT_S, aiturbo_proc, s3, s3_outage_server, s3m, status  # noqa: F401  (fixtures)
 
 IMPORT_SETTLE_S = 1.6  # import_ttl=0.5 (tests' default) + the kernel's 1 s attribute cache
 
@@ -291,3 +291,79 @@ def test_a_symlink_whose_head_fails_is_imported_at_the_next_listing(make_mount, 
         time.sleep(IMPORT_SETTLE_S)
         assert os.readlink(m.path("d", "latest")) == "step-3"
         assert m.stop() == 0, m.log()
+
+
+# --- attributes: modes, owners and mtimes, both ways (file://) ------------------------------------------
+
+NOBODY = 65534
+T_NS = 1_600_000_000_000_000_123  # explicit mtimes (rsync -a, tar, cp -a set them)
+# (path below the tree, mode, owner); a directory ends with '/'
+TREE = [
+    ("private/", 0o700, NOBODY),
+    ("private/key", 0o600, NOBODY),
+    ("group.txt", 0o640, 0),
+    ("run.sh", 0o755, NOBODY),
+    ("shared", 0o666, 0),
+    ("setuid", 0o4755, 0),
+    ("team/", 0o2770, NOBODY),
+    ("team/notes", 0o660, NOBODY),
+]
+
+
+def needs_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("giving files to other users (chown) needs root")
+
+
+def make_tree(top: str) -> None:
+    """``TREE`` below ``top``, then each entry's owner, mode and mtime, children
+    before their directories and the top last (as rsync -a does: creating an
+    entry moves its directory's mtime)."""
+    for rel, _, _ in TREE:
+        path = os.path.join(top, rel)
+        if rel.endswith("/"):
+            os.mkdir(path)
+        else:
+            with open(path, "wb") as f:
+                f.write(rel.encode() * 1000)
+    os.link(os.path.join(top, "run.sh"), os.path.join(top, "run-link"))  # a hard link: a copy in the backend
+    for i, (rel, mode, owner) in reversed(list(enumerate([("", 0o750, NOBODY), *TREE]))):
+        path = os.path.join(top, rel)
+        os.chown(path, owner, owner)
+        os.chmod(path, mode)  # after chown, which clears setuid and setgid
+        os.utime(path, ns=(T_NS + i * 10**9, T_NS + i * 10**9))
+
+
+def snapshot(top: str) -> dict[str, tuple]:
+    """``{path: (mode, uid, gid, mtime_ns, size)}`` of everything below ``top``, ``top`` itself as '.'."""
+    out = {}
+    for root, dirs, files in os.walk(top):
+        for name in [".", *dirs, *files] if root == top else [*dirs, *files]:
+            path = os.path.normpath(os.path.join(root, name))
+            st = os.lstat(path)
+            size = 0 if stat.S_ISDIR(st.st_mode) else st.st_size
+            out[os.path.relpath(path, top)] = (oct(st.st_mode), st.st_uid, st.st_gid, st.st_mtime_ns, size)
+    return out
+
+
+def rsync_changes(src: str, dst: str) -> str:
+    """What ``rsync -a`` would change to make ``dst`` like ``src`` (-n: nothing is)."""
+    return subprocess.run(["rsync", "-a", "-n", "-i", f"{src}/", f"{dst}/"], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def test_a_chmod_racing_the_upload_ends_with_the_latest_mode(make_mount, tmp_path):
+    store = Local(str(tmp_path / "backend"))
+    m = mount(make_mount, store)
+    path = m.path("big")
+    with open(path, "wb") as f:
+        f.write(os.urandom(24 << 20))
+    modes = [0o600, 0o640, 0o604, 0o700, 0o644, 0o600]
+    for i, mode in enumerate(modes):  # while it persists, and (the last ones, maybe) after
+        os.chmod(path, mode)
+        os.utime(path, ns=(T_NS + i, T_NS + i))
+        time.sleep(0.05)
+    wait(m)
+    st = os.stat(store.path("big"))
+    assert (stat.S_IMODE(st.st_mode), st.st_mtime_ns) == (modes[-1], T_NS + len(modes) - 1)
+    assert m.stop() == 0, m.log()

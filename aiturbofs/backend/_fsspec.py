@@ -84,7 +84,8 @@ class FsspecBackend(Backend):
     through this process, hence ``supports_server_copy = False``.
     ``complete`` is as atomic as the filesystem's ``put_file``.  Parts are
     staged in this process's temp dir, so no other process can write them
-    (``supports_remote_parts = False``).
+    (``supports_remote_parts = False``).  Objects carry no attributes
+    (``keeps_attrs`` is off: ``complete`` and ``copy`` ignore them).
     """
 
     supports_server_copy = False

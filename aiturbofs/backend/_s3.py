@@ -208,7 +208,8 @@ class S3Backend(Backend):
     ``rdev`` beside it; a symlink's body is its target, a FIFO's or device's
     is empty, and a directory's node is the zero-byte marker ``key/``
     (``application/x-directory``), which ``remove_dir`` deletes once it is
-    all that is left under the prefix.
+    all that is left under the prefix.  Regular objects carry no attributes
+    (``keeps_attrs`` is off: ``complete`` and ``copy`` ignore them).
     """
 
     supports_server_copy = True  # CopyObject / UploadPartCopy

@@ -65,6 +65,16 @@ def _state(path: str) -> str:
     return os.getxattr(path, STATE_XATTR).decode()
 
 
+def _state_now(path: str) -> str:
+    """``_state``; a path removed meanwhile (or whose last node was) has nothing left to wait for."""
+    try:
+        return _state(path)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOENT, errno.ENODATA):
+            raise
+        return "durable"
+
+
 def cmd_wait(args) -> int:
     from tqdm import tqdm
 
@@ -77,23 +87,23 @@ def cmd_wait(args) -> int:
         print(f"aiturbo wait: {exc.filename or ''}: {exc.strerror} (is it on an aiturbofs mount?)", file=sys.stderr)
         return 2
     broken = []
+    dirs = [path for path, _ in files if os.path.isdir(path) and not os.path.islink(path)]
     deadline = time.monotonic() + args.timeout if args.timeout else None
     total = sum(size for _, size in files)
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="durable",
               disable=args.quiet, file=sys.stderr) as bar:
         while pending:
             for path, size in list(pending.items()):
-                try:
-                    state = _state(path)
-                except OSError as exc:
-                    if exc.errno not in (errno.ENOENT, errno.ENODATA):
-                        raise
-                    state = "durable"  # removed meanwhile (or its last node was): nothing left to wait for
+                state = _state_now(path)
                 if state in ("durable", "broken"):
                     del pending[path]
                     bar.update(size)
                     if state == "broken":
                         broken.append(path)
+            if not pending:
+                # A file persisted last moved its directory's mtime in the backend (file://), which the
+                # directory then gets back: a directory seen durable before that is asked once more.
+                pending = {path: 0 for path in dirs if _state_now(path) not in ("durable", "broken")}
             if not pending:
                 break
             if deadline and time.monotonic() > deadline:

@@ -419,6 +419,7 @@ class _Dispatcher:
                 "queue": p.queue_length(), "queued": queued, "bytes_uploaded": p.stats.bytes_uploaded,
                 "bytes_fetched": self.fs.fetcher.bytes_fetched, "bytes_copied": p.stats.bytes_copied,
                 "bytes_uploaded_for_peers": p.stats.bytes_uploaded_for_peers, "files_durable": p.stats.files_durable,
+                "attrs_persisted": p.stats.attrs_persisted,
                 "files_broken": p.stats.files_broken, "retries": p.stats.retries, "read_retries": self.fs.fetcher.read_retries,
                 "objects_hashed": self.fs.objects.manifests_recorded,
                 "backend_full_s": p.backend_full_s(),

@@ -56,6 +56,7 @@ class PersistStats:
     bytes_copied: int = 0  # materialised by server-side copy (dedup), not sent
     bytes_uploaded_for_peers: int = 0  # parts of other nodes' uploads sent from here
     files_durable: int = 0
+    attrs_persisted: int = 0  # chmod/chown/utime of durable inodes given to their objects (no data sent)
     files_broken: int = 0
     retries: int = 0
     verify_problems: int = 0  # objects ``aiturbo verify`` found missing, of another size, or with other chunks

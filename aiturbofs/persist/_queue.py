@@ -27,6 +27,8 @@ import trio
 
 from .._errors import AiturboError, BackendError, IntegrityError, MetaUnavailable, NotFound, TransientBackendError
 from .._limits import (
+    DIR_ATTRS_SETTLE_S,
+    DIRS_SETTLING_MAX,
     DIRS_TO_CLEAN_MAX,
     PERSIST_BACKOFF_FIRST_S,
     PERSIST_BACKOFF_JITTER,
@@ -73,6 +75,9 @@ class Persister:
         # Backend directories of removed directories, oldest first (see
         # enqueue_dir_cleanup); a path queued twice is cleaned once.
         self._dirs_to_clean: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Directories whose backend mtime the persister moved -> when they are
+        # queued to get it back (trio time; in order, see dir_changed).
+        self._dirs_settling: collections.OrderedDict[int, float] = collections.OrderedDict()
         self._work = trio.Event()
         self._idle = trio.Event()
         self._idle.set()
@@ -106,6 +111,10 @@ class Persister:
 
     async def upload_for_peer(self, backend_key: str, token: str, index: int, key: bytes, length: int, holders: list[str]) -> str:
         return await self.uploads.upload_for_peer(backend_key, token, index, key, length, holders)
+
+    def attrs_pending(self, row) -> bool:
+        """Is ``row`` durable but its backend objects lack its current mode, owner or mtime?"""
+        return self.reconciler.attrs_pending(row)
 
     async def claimed_keys(self, since: float) -> set[str]:
         """Backend keys the importer must not bring back as new names (see ``Reconciler.claimed_keys``)."""
@@ -182,6 +191,31 @@ class Persister:
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self._wake()
 
+    def dir_changed(self, ino: int) -> None:
+        """The persister changed entries of directory ``ino`` in the backend,
+        which moved its mtime: reconcile it (its attributes) once
+        DIR_ATTRS_SETTLE_S passed, so the files following into it share that."""
+        if ino in self._dirs_settling:
+            return
+        if len(self._dirs_settling) >= DIRS_SETTLING_MAX:
+            self.enqueue(ino)
+            return
+        self._dirs_settling[ino] = trio.current_time() + DIR_ATTRS_SETTLE_S
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+        self._wake()
+
+    def dir_settling(self, ino: int) -> bool:
+        return ino in self._dirs_settling
+
+    async def _dir_settler(self) -> None:
+        while True:
+            while not self._dirs_settling:
+                await self._work.wait()
+            ino, when = next(iter(self._dirs_settling.items()))  # the earliest: all wait equally long
+            await trio.sleep_until(when)
+            del self._dirs_settling[ino]
+            self.enqueue(ino)
+
     def _wake(self) -> None:
         # Whoever signals replaces the event, so every waiter of this
         # generation wakes.  (Waiters replacing it themselves left the other
@@ -207,11 +241,12 @@ class Persister:
             for _ in range(PERSIST_FILES_IN_FLIGHT):
                 nursery.start_soon(self._worker)
             nursery.start_soon(self._dir_cleaner)
+            nursery.start_soon(self._dir_settler)
             task_status.started()
 
     async def _next(self) -> int:
         while not self._pending:
-            if not self.running and not self._dirs_to_clean:
+            if not self.running and not self._dirs_to_clean and not self._dirs_settling:
                 self._idle.set()
             await self._work.wait()
         ino, _ = self._pending.popitem(last=False)
@@ -409,6 +444,11 @@ class Persister:
         """
         lost_to_kernel = isinstance(why, IntegrityError)  # (a chunk missing: written over, see below)
         why = str(why)
+        if self.reconciler.attrs_failed(ino):
+            # Only a chmod, chown or utime did not reach the backend: the data did.
+            # The next change, ``aiturbo wait`` or state query tries again.
+            log.warning("attributes of %s not persisted: %s (its data stays durable)", await self.name_of(ino), why)
+            return
         failed = self.reconciler.trying.get(ino)
         try:
             row = await self.meta.get_inode(ino)

@@ -3,9 +3,11 @@
 A job compares what the metadata engine says (current paths, committed
 version, state) with what the backend holds (``backend_keys`` at
 ``persisted_version``) and does what is missing: upload the committed
-version (``Uploads.send``, then publish it), move or copy after renames and
-hard links, delete after unlink, write a node's form; then loops until
-nothing changed meanwhile.  That is why renaming or deleting a file while it
+version (``Uploads.send``, then publish it with the inode's attributes),
+move or copy after renames and hard links, delete after unlink, write a
+node's form, give the objects new attributes after a chmod, chown or utime
+(where the backend keeps them: ``_push_attrs``, no data moves); then loops
+until nothing changed meanwhile.  That is why renaming or deleting a file while it
 persists leaves no ghost objects and loses no rename.
 
 Objects are published, moved, deleted and their keys recorded under
@@ -15,9 +17,16 @@ on one backend key are serialised by a per-key lock, and a key is only
 deleted if no live inode's path names it.  A file whose name another file's
 object still occupies waits for it (``_defer``), moving its own objects at
 others' names aside first, so swaps and cycles of renames resolve.
+
+A backend directory's mtime moves whenever the persister changes an entry
+of it: the directory is then queued to get its attributes again
+(``_dir_changed``) a moment later, so a burst of files costs it one more
+call and the backend's directories end with the namespace's mtimes, not
+the persister's schedule.
 """
 
 import errno
+import functools
 import logging
 import secrets
 import stat
@@ -49,6 +58,11 @@ DEFER_RETRY_S = 0.1
 _CONFLICT_ERRNOS = frozenset({errno.EISDIR, errno.ENOTEMPTY, errno.ENOTDIR, errno.EEXIST})
 
 
+def _parent(key: str) -> str:
+    """The backend directory ``key`` is in ('' for the root)."""
+    return key.rpartition("/")[0]
+
+
 class _Deferred(Exception):
     """Another file must move its object away from our name first."""
 
@@ -77,6 +91,12 @@ class Reconciler:
         self.moved: dict[int, object] = {}
         self.defers: dict[int, int] = {}  # inode -> deferrals in a row (see _defer)
         self.trying: dict[int, int] = {}  # inode -> the version its running job uploads
+        # Inodes whose running job is giving their objects new attributes: a
+        # failure there leaves the data durable (see ``attrs_failed``).
+        self.pushing_attrs: set[int] = set()
+        # Durable directories whose backend mtime the persister moved (see
+        # _dir_changed), queued to get their attributes again.
+        self.dirs_changed: set[int] = set()
 
     def note_moved(self, ino: int) -> None:
         """``ino``'s names changed: its objects may sit at names it no longer has (see ``_holder``)."""
@@ -89,9 +109,22 @@ class Reconciler:
     def job_ended(self, ino: int, *, again: bool) -> None:
         """``again``: it was enqueued while it ran, and runs once more."""
         self.trying.pop(ino, None)
+        self.pushing_attrs.discard(ino)
+        if not again and not self._queue.dir_settling(ino):
+            self.dirs_changed.discard(ino)  # pushed, or no longer a durable directory to push to
         if not again:
             self.moved.pop(ino, None)  # reconciled: its objects are at its names
             self.defers.pop(ino, None)
+
+    def attrs_pending(self, row) -> bool:
+        """Is ``row`` durable but its objects lack its current mode, owner or
+        mtime?  (Only where the backend keeps them.)"""
+        return (self.backend.keeps_attrs and row.state == STATE_DURABLE and row.persisted_version == row.version
+                and (row.persisted_attrs != row.attrs() or row.ino in self.dirs_changed))
+
+    def attrs_failed(self, ino: int) -> bool:
+        """Did ``ino``'s job fail while it gave its objects new attributes?  Its data stays durable."""
+        return ino in self.pushing_attrs
 
     async def clean_dir(self, path: str) -> None:
         """Remove the backend directory of a removed directory (does nothing unless empty)."""
@@ -100,6 +133,7 @@ class Reconciler:
                 if not await self._is_dir_of_namespace(path):  # made again meanwhile: it is that one's now
                     await self.backend.remove_dir(path)
                     self._note_vacated(path)
+                    await self._dir_changed(_parent(path))
         except BackendError as exc:
             log.info("backend directory %s not removed: %s", path, exc)
 
@@ -118,6 +152,9 @@ class Reconciler:
             if not stat.S_ISREG(row.mode):
                 if not await self._publish_node(row.ino):
                     await self._defer(row, paths)
+                    return
+                if self.attrs_pending(await self.meta.get_inode(ino)):
+                    continue  # changed while it was written
                 return
             if row.state != STATE_DURABLE or row.persisted_version != row.version:
                 if not is_mine(self.host.cluster, row):
@@ -141,6 +178,9 @@ class Reconciler:
                     await self._defer(row, paths)
                     return
                 continue
+            if self.attrs_pending(row):
+                await self._push_attrs(ino)
+                continue
             return
 
     async def _publish_node(self, ino: int) -> bool:
@@ -156,6 +196,8 @@ class Reconciler:
                 return True  # the reconcile loop deletes it, or there is nothing to do
             current = row.state == STATE_DURABLE and row.persisted_version == row.version
             if current and sorted(row.backend_keys) == sorted(paths):
+                if self.attrs_pending(row):
+                    await self._push_attrs_locked(row)
                 return True
             if stat.S_IFMT(row.mode) not in self.backend.node_kinds:
                 # Made when another backend was mounted on this metadata.
@@ -187,8 +229,9 @@ class Reconciler:
                         await self._remove_dir_key(stale)
                     else:
                         await self._delete_key(stale, ino)
+            await self._dirs_changed(done)
             await self.meta.set_state(ino, STATE_DURABLE, if_version=row.version, backend_keys=done,
-                                      persisted_version=row.version, sync=False)
+                                      persisted_version=row.version, persisted_attrs=row.attrs(), sync=False)
         await self.meta.sync()  # outside ns_lock: nodes in flight share the fsync
         self._queue.backend_answered()
         log.info("persisted_node path=%s mode=%o", ",".join(done), row.mode)
@@ -225,31 +268,37 @@ class Reconciler:
                     raise _Deferred
                 published: list[ObjectInfo] = []
                 await self.uploads.forget_sources(target)  # the object there is replaced
+                # The attributes as they are now (a chmod while the data went
+                # out included); a later change is pushed by the next loop.
+                attrs = (await self.meta.get_inode(row.ino)).attrs()
+                node = NodeAttrs(*attrs)
                 async with self._key_lock(target):
-                    if not await self._place(lambda: self._complete(upload, row.size, published), target):
+                    if not await self._place(lambda: self._complete(upload, row.size, node, published), target):
                         raise _Deferred
                 info = published[0]
                 done = [target]
                 for extra in await self.meta.paths_of(row.ino):
                     if extra not in done and await self._free_for(extra, row.ino):
                         async with self._key_lock(extra):
-                            if await self._place(self.backend.copy, extra, target, extra):
+                            if await self._place(functools.partial(self.backend.copy, attrs=node), extra, target, extra):
                                 done.append(extra)
                 for stale in row.backend_keys:
                     if stale not in done:
                         await self._delete_key(stale, row.ino)
+                await self._dirs_changed(done)
                 # Synced below, once the lock is free: files in flight share
                 # one fsync instead of taking turns at it under ns_lock.
                 durable = await self.meta.set_state(
-                    row.ino, STATE_DURABLE, if_version=row.version, sync=False,
-                    backend_keys=done, persisted_version=row.version, backend_etag=info.etag,
+                    row.ino, STATE_DURABLE, if_version=row.version, sync=False, backend_keys=done,
+                    persisted_version=row.version, backend_etag=info.etag, persisted_attrs=attrs,
                 )
                 if not durable:
                     # A newer version was committed meanwhile: it is not durable,
                     # but where this one's objects are must still be known (the
                     # stale ones are gone; an unrecorded one came back at import).
                     await self.meta.set_attrs(
-                        row.ino, backend_keys=done, persisted_version=row.version, backend_etag=info.etag
+                        row.ino, backend_keys=done, persisted_version=row.version, backend_etag=info.etag,
+                        persisted_attrs=attrs,
                     )
         except BaseException as exc:
             with trio.CancelScope(shield=True):
@@ -271,8 +320,8 @@ class Reconciler:
         return True
 
     @staticmethod
-    async def _complete(upload, size: int, out: list) -> None:
-        out.append(await upload.complete(size))
+    async def _complete(upload, size: int, attrs: NodeAttrs, out: list) -> None:
+        out.append(await upload.complete(size, attrs=attrs))
 
     async def _relocate(self, row, paths: list[str]) -> bool:
         """Renamed or linked: move/copy the durable object, no re-upload.
@@ -303,7 +352,9 @@ class Reconciler:
                     continue
                 async with self._key_lock(dst):
                     if keep:
-                        placed = await self._place(self.backend.copy, dst, keep[0], dst)
+                        copy = functools.partial(self.backend.copy, attrs=NodeAttrs(*row.persisted_attrs)
+                                                 if row.persisted_attrs is not None else None)
+                        placed = await self._place(copy, dst, keep[0], dst)
                         if placed:
                             current.append(dst)
                     else:
@@ -327,6 +378,7 @@ class Reconciler:
             if len(paths) == 1:  # a copy has a new etag: not a change made outside the mount
                 info = await self.backend.stat(paths[0])
                 fields["backend_etag"] = info.etag if info is not None else row.backend_etag
+            await self._dirs_changed(paths)
             await self.meta.set_attrs(row.ino, backend_keys=paths, **fields)
             await self.meta.set_state(row.ino, STATE_DURABLE, if_version=row.version)
         log.info("moved_in_backend from=%s to=%s", ",".join(row.backend_keys), ",".join(paths))
@@ -401,6 +453,7 @@ class Reconciler:
             await self.backend.move(key, aside)
             keys[i] = aside
             await self.meta.set_attrs(ino, backend_keys=keys)
+        await self._dir_changed(head)
         return aside
 
     async def _keep_aside(self, ino: int) -> None:
@@ -476,6 +529,7 @@ class Reconciler:
         while parent:
             row = await self._lookup_path(parent)
             if row is not None and stat.S_ISDIR(row.mode):
+                await self._dir_changed(parent, row)  # it lost an entry
                 return  # still a directory of the namespace (and so are its ancestors)
             try:
                 await self.backend.remove_dir(parent)  # does nothing unless empty
@@ -484,6 +538,68 @@ class Reconciler:
                 return
             self._note_vacated(parent)
             parent = parent.rpartition("/")[0]
+
+    async def _push_attrs(self, ino: int) -> None:
+        """Give ``ino``'s objects its current mode, owner and mtime, without moving its data."""
+        async with self.ns_lock:
+            row = await self.meta.get_inode(ino)
+            if self.attrs_pending(row):
+                await self._push_attrs_locked(row)
+
+    async def _push_attrs_locked(self, row) -> None:
+        """``_push_attrs`` with ``ns_lock`` held and ``row`` read under it.
+
+        What was asked is recorded whatever the backend did with it (an
+        owner it may not set, a permanent error: logged), so the loop ends;
+        a transient error is retried by the queue, and never breaks the file
+        (``attrs_failed``).
+        """
+        attrs = row.attrs()
+        self.pushing_attrs.add(row.ino)
+        fields: dict = {"persisted_attrs": attrs}
+        for key in row.backend_keys:
+            try:
+                async with self._key_lock(key):
+                    info = await self.backend.set_attrs(key, NodeAttrs(*attrs))
+            except TransientBackendError:
+                raise
+            except BackendError as exc:
+                log.warning("attributes of %s not persisted: %s", key, exc)
+                continue
+            if key == row.backend_keys[0] and stat.S_ISREG(row.mode) and info.etag != row.backend_etag:
+                fields["backend_etag"] = info.etag  # counts the mtime: not a change made outside the mount
+                await self.uploads.forget_sources(key)  # dedup copies name the etag
+                await self.uploads.record_sources(row, key, info.etag)
+        self.pushing_attrs.discard(row.ino)
+        self.dirs_changed.discard(row.ino)
+        if fields != {"persisted_attrs": row.persisted_attrs}:  # (a directory given its mtime back: the same)
+            await self.meta.set_attrs(row.ino, **fields)
+        self.stats.attrs_persisted += 1
+        log.info("persisted_attrs path=%s mode=%o uid=%d gid=%d mtime_ns=%d", ",".join(row.backend_keys), *attrs)
+        await self.host.on_persisted(row.ino, await self.meta.get_inode(row.ino))
+
+    async def _dirs_changed(self, keys: list[str]) -> None:
+        """``_dir_changed`` of the directories ``keys`` are in.  With ``ns_lock``."""
+        for parent in dict.fromkeys(_parent(key) for key in keys):
+            await self._dir_changed(parent)
+
+    async def _dir_changed(self, key: str, row=None) -> None:
+        """The persister changed an entry of backend directory ``key``, which
+        moved its mtime: queue the directory to get its attributes again.
+
+        Where the backend keeps attributes, and ``key`` is a durable
+        directory of the namespace (``row``, if the caller read it) other
+        than the root, which keeps none.  Until then its state is
+        ``persisting`` (``attrs_pending``).
+        """
+        if not self.backend.keeps_attrs or not key:
+            return
+        if row is None:
+            row = await self._lookup_path(key)
+        if row is None or not stat.S_ISDIR(row.mode) or row.state != STATE_DURABLE:
+            return
+        self.dirs_changed.add(row.ino)
+        self._queue.dir_changed(row.ino)
 
     def _note_vacated(self, key: str) -> None:
         now = time.monotonic()

@@ -461,6 +461,10 @@ class Filesystem:
                 node.row.mtime_ns = mtime_ns
         fields["ctime_ns"] = ctime_ns if ctime_ns is not None else now
         row = await self.meta.set_attrs(ino, **fields)
+        if self.persister.attrs_pending(row):
+            # Durable: no upload will carry the change (one in flight reads the
+            # attributes at its publish, and looks again after it).
+            self.persister.enqueue(ino)
         if node.live:
             row.size = node.file.size
             row.mtime_ns = node.row.mtime_ns
@@ -675,7 +679,7 @@ class Filesystem:
                 raise NoAttribute("only regular files have a durability state")
             if node is not None and node.content is not None and node.content.dirty:
                 return STATE_STAGED.encode()
-            return row.state.encode()
+            return self._state(row).encode()
         _xattr.validate_name(name)
         return await self.meta.getxattr(ino, name)
 
@@ -683,14 +687,25 @@ class Filesystem:
         """A directory's durability state: that of its own backend form and of
         the symlinks and special files in it, which Linux lets carry no user.*
         xattr (so ``aiturbo wait`` asks their directory).  The worst one wins."""
-        states = set() if row.state is None else {row.state}
+        states = set() if row.state is None else {self._state(row)}
         async for _, child in self.meta.children(row.ino, READDIR_BATCH_ENTRIES):
             if child.state is not None and not stat.S_ISREG(child.mode) and not stat.S_ISDIR(child.mode):
-                states.add(child.state)
+                states.add(self._state(child))
         for state in (STATE_BROKEN, STATE_STAGED, STATE_PERSISTING, STATE_DURABLE):
             if state in states:
                 return state
         raise NoAttribute("this directory and its symlinks and special files live in the metadata only")
+
+    def _state(self, row: InodeRow) -> str:
+        """``row``'s state as ``user.aiturbo.state`` shows it: a durable inode
+        whose mode, owner or mtime the backend still lacks is ``persisting``,
+        and is queued (it may not be: a crash, a directory whose entries
+        changed), so asking is enough for it to get there."""
+        if self.persister.attrs_pending(row):
+            self.persister.enqueue(row.ino)
+            return STATE_PERSISTING
+        assert row.state is not None  # callers ask only about inodes the backend keeps
+        return row.state
 
     async def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
         try:
@@ -1390,7 +1405,8 @@ class Filesystem:
             event.set()
 
     async def on_persisted(self, ino: int, row: InodeRow) -> None:
-        """The persister made version ``row.version`` durable (or broken)."""
+        """The persister made version ``row.version`` durable (or broken), or
+        gave its objects new attributes."""
         node = self._inodes.get(ino)
         if node is not None:
             if not node.live:
@@ -1400,6 +1416,8 @@ class Filesystem:
                 node.row.version = row.version
                 node.row.backend_keys = row.backend_keys
                 node.row.persisted_version = row.persisted_version
+                node.row.persisted_attrs = row.persisted_attrs
+                node.row.backend_etag = row.backend_etag  # a new mtime gives a file:// object a new etag
             content = node.content
             if row.state in (STATE_DURABLE, STATE_BROKEN):
                 self._release_pins(node, row.version)
@@ -1490,7 +1508,7 @@ class Filesystem:
                 raise BrokenFile(f"inode {ino} is broken")
             if row.nlink == 0:
                 return
-            if row.state == STATE_DURABLE and row.persisted_version == row.version:
+            if row.state == STATE_DURABLE and row.persisted_version == row.version and self._state(row) == STATE_DURABLE:
                 return
             event = self._state_changed.setdefault(ino, trio.Event())
             if not self.cluster.shared:
