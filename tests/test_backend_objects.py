@@ -352,6 +352,73 @@ def rsync_changes(src: str, dst: str) -> str:
                           check=True).stdout
 
 
+def test_modes_owners_and_mtimes_reach_the_file_backend_and_come_back(make_mount, tmp_path):
+    """A -rw------- nobody file stays that in the backend dir (not -rw-r--r-- root, readable
+    by every local user); chmod/chown/utime of durable files get there without a new upload;
+    a mount on a fresh state dir shows it all again, so rsync -a finds nothing to send."""
+    needs_root()
+    store = Local(str(tmp_path / "backend"))
+    src = str(tmp_path / "src")
+    os.mkdir(src)
+    make_tree(src)
+    m = mount(make_mount, store)
+    os.mkdir(m.path("tree"))
+    make_tree(m.path("tree"))
+    wait(m)
+    assert snapshot(store.path("tree")) == snapshot(src)
+    assert rsync_changes(src, m.path("tree")) == ""
+
+    before = status(m)["persist"]
+    for top in (src, m.path("tree")):
+        os.chmod(os.path.join(top, "group.txt"), 0o600)
+        os.chown(os.path.join(top, "shared"), NOBODY, 0)
+        os.chmod(os.path.join(top, "shared"), 0o604)
+        os.utime(os.path.join(top, "run.sh"), ns=(T_NS - 10**9, T_NS - 10**9))  # run-link too: the same inode
+        os.chmod(os.path.join(top, "private"), 0o750)
+        os.utime(os.path.join(top, "private"), ns=(T_NS + 7, T_NS + 7))
+    wait(m)
+    after = status(m)["persist"]
+    assert (after["bytes_uploaded"], after["files_durable"]) == (before["bytes_uploaded"], before["files_durable"])
+    assert after["attrs_persisted"] >= before["attrs_persisted"] + 4, after
+    assert snapshot(store.path("tree")) == snapshot(src)
+    assert m.stop() == 0, m.log()
+    assert "BUG" not in m.log() and "Traceback" not in m.log(), m.log()
+
+    fresh = make_mount(store.url, name="fresh")
+    assert snapshot(fresh.path("tree")) == snapshot(src)
+    assert rsync_changes(src, fresh.path("tree")) == ""
+    assert fresh.stop() == 0, fresh.log()
+
+
+def test_rsync_a_through_the_mount_sends_nothing_the_second_time(make_mount, tmp_path):
+    """rsync -a writes temp files, renames them and sets directory times last, while
+    the persister publishes behind it (each publish moves its backend directory's mtime)."""
+    needs_root()
+    store = Local(str(tmp_path / "backend"))
+    src = str(tmp_path / "src")
+    os.mkdir(src)
+    make_tree(src)
+    for d in ("bulk", "bulk/inner"):
+        os.mkdir(os.path.join(src, d), 0o711)
+    for i in range(60):
+        with open(os.path.join(src, "bulk" if i % 2 else "bulk/inner", f"f{i}"), "wb") as f:
+            f.write(os.urandom(i * 1000))
+    os.utime(os.path.join(src, "bulk", "inner"), ns=(T_NS + 11, T_NS + 11))
+    os.utime(os.path.join(src, "bulk"), ns=(T_NS + 12, T_NS + 12))
+    os.utime(src, ns=(T_NS + 13, T_NS + 13))
+    m = mount(make_mount, store)
+    subprocess.run(["rsync", "-a", f"{src}/", m.path("tree") + "/"], check=True)
+    assert rsync_changes(src, m.path("tree")) == ""
+    wait(m)
+    assert snapshot(store.path("tree")) == snapshot(src)
+    assert m.stop() == 0, m.log()
+
+    fresh = make_mount(store.url, name="fresh")
+    assert rsync_changes(src, fresh.path("tree")) == ""
+    assert snapshot(fresh.path("tree")) == snapshot(src)
+    assert fresh.stop() == 0, fresh.log()
+
+
 def test_a_chmod_racing_the_upload_ends_with_the_latest_mode(make_mount, tmp_path):
     store = Local(str(tmp_path / "backend"))
     m = mount(make_mount, store)
@@ -366,4 +433,31 @@ def test_a_chmod_racing_the_upload_ends_with_the_latest_mode(make_mount, tmp_pat
     wait(m)
     st = os.stat(store.path("big"))
     assert (stat.S_IMODE(st.st_mode), st.st_mtime_ns) == (modes[-1], T_NS + len(modes) - 1)
+    assert m.stop() == 0, m.log()
+
+
+def test_backend_modes_and_owners_show_in_the_mount(make_mount, tmp_path):
+    """A backend file 0600 of uid 1000 in a 0700 directory is not -rw-r--r-- root in
+    the mount, where (allow_other, on as root; default_permissions) anyone could read it."""
+    needs_root()
+    store = Local(str(tmp_path / "backend"))
+    os.makedirs(store.path("home/private"))
+    with open(store.path("home/private/id_rsa"), "wb") as f:
+        f.write(b"secret")
+    with open(store.path("home/public.txt"), "wb") as f:
+        f.write(b"hello")
+    for key, mode, mtime_ns in [("home/private/id_rsa", 0o600, T_NS), ("home/private", 0o700, T_NS + 1),
+                                ("home/public.txt", 0o644, T_NS + 2), ("home", 0o755, T_NS + 3)]:
+        os.chown(store.path(key), 1000, 1000)
+        os.chmod(store.path(key), mode)
+        os.utime(store.path(key), ns=(mtime_ns, mtime_ns))
+    want = snapshot(store.path("home"))
+    m = mount(make_mount, store)
+    assert snapshot(m.path("home")) == want
+    # nobody, from inside the mount (the test's temp dirs above it are root's alone)
+    as_nobody = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "cat"]
+    home = m.path("home")
+    assert subprocess.run([*as_nobody, "public.txt"], cwd=home, capture_output=True).stdout == b"hello"
+    r = subprocess.run([*as_nobody, "private/id_rsa"], cwd=home, capture_output=True)
+    assert r.returncode != 0 and r.stdout == b"" and b"Permission denied" in r.stderr, r
     assert m.stop() == 0, m.log()

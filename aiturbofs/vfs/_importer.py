@@ -10,7 +10,9 @@ is unavailable (``BackendHealth``) nothing is listed and every lookup answers
 from the metadata at once; the root is imported again when it answers, the
 other directories at their next lookup.  New objects become
 ``durable`` files without a manifest (read by range, hashed on first write);
-prefixes become directories; symlinks, FIFOs and devices in the backend's
+prefixes become directories; both with the mode, owner and mtime the
+backend keeps (``Backend.keeps_attrs``; elsewhere 0644 or 0755 and the
+mount's owner); symlinks, FIFOs and devices in the backend's
 form of them (``Backend.read_node``) become those nodes; durable files whose
 object changed outside the mount are refreshed; durable files and nodes
 whose object vanished are removed, unless open.  Names that cannot be POSIX names (``..``, too long) are skipped with a
@@ -262,9 +264,12 @@ class Importer:
     async def _create(self, dir_row: InodeRow, name: bytes, info: ObjectInfo, node: NodeAttrs | None) -> None:
         opts = self.fs.options
         mtime = info.mtime_ns or time.time_ns()
+        uid = opts.owner_uid if info.uid is None else info.uid
+        gid = opts.owner_gid if info.gid is None else info.gid
         if info.is_dir:
             # Durable: the directory is there, so its rename moves its marker.
-            row = InodeRow(ino=0, mode=stat.S_IFDIR | 0o755, uid=opts.owner_uid, gid=opts.owner_gid, size=0, nlink=2,
+            mode = info.mode if stat.S_ISDIR(info.mode) else stat.S_IFDIR | 0o755
+            row = InodeRow(ino=0, mode=mode, uid=uid, gid=gid, size=0, nlink=2,
                            atime_ns=mtime, mtime_ns=mtime, ctime_ns=mtime, state=STATE_DURABLE,
                            backend_keys=[info.key], persisted_version=0)
         elif node is not None:
@@ -276,11 +281,14 @@ class Importer:
                            atime_ns=mtime, mtime_ns=mtime, ctime_ns=mtime, rdev=node.rdev, target=target,
                            state=STATE_DURABLE, backend_keys=[info.key], persisted_version=0)
         else:
-            row = InodeRow(ino=0, mode=stat.S_IFREG | 0o644, uid=opts.owner_uid, gid=opts.owner_gid, size=info.size, nlink=1,
+            mode = info.mode if stat.S_ISREG(info.mode) else stat.S_IFREG | 0o644
+            row = InodeRow(ino=0, mode=mode, uid=uid, gid=gid, size=info.size, nlink=1,
                            atime_ns=mtime, mtime_ns=mtime, ctime_ns=mtime, state=STATE_DURABLE, manifest=None,
                            backend_keys=[info.key], backend_etag=info.etag, persisted_version=0)
+        # What the backend holds of it, or (where it keeps no attributes) stands in for that.
+        row.persisted_attrs = row.attrs()
         try:
-            await self.fs.meta.create(dir_row.ino, name, row)
+            await self.fs.meta.create(dir_row.ino, name, row, imported=True)
         except Exists:
             pass  # created meanwhile by a writer: the namespace wins
 
@@ -296,7 +304,11 @@ class Importer:
         log.info("import_changed key=%s (changed in the backend: dropping the cached content)", info.key)
         if node is not None:
             self.fs._drop_content(node)
-        new = await self.fs.meta.set_attrs(row.ino, size=info.size, mtime_ns=info.mtime_ns or row.mtime_ns, manifest=None, backend_etag=info.etag)
+        fields = {"mode": info.mode if stat.S_ISREG(info.mode) else row.mode,
+                  "uid": row.uid if info.uid is None else info.uid, "gid": row.gid if info.gid is None else info.gid,
+                  "mtime_ns": info.mtime_ns or row.mtime_ns}
+        fields["persisted_attrs"] = (fields["mode"], fields["uid"], fields["gid"], fields["mtime_ns"])
+        new = await self.fs.meta.set_attrs(row.ino, size=info.size, manifest=None, backend_etag=info.etag, **fields)
         if node is not None:
             node.row = new
             # The version did not change (it counts commits through the mount),
