@@ -785,6 +785,85 @@ def test_a_late_deferral_leaves_the_object_another_file_moved_in(tmp_path):
     trio.run(main)
 
 
+async def _attrs_persister(tmp_path, data: bytes, *, durable: bool):
+    """A persister over SQLite and a file:// backend holding file ``f`` (0644, durable or staged)."""
+    from aiturbofs.backend import open_backend
+    from aiturbofs.meta import ROOT_INO, STATE_DURABLE, InodeRow, open_meta
+
+    (tmp_path / "backend").mkdir()
+    meta = open_meta(f"sqlite://{tmp_path}/meta.db")
+    await meta.init(root_uid=0, root_gid=0, root_mode=0o755)
+    backend = await open_backend(f"file://{tmp_path}/backend")
+    row = await meta.create(ROOT_INO, b"f", InodeRow(0, 0o100644, 0, 0, len(data), 1, 0, 10**18, 0))
+    if durable:
+        (tmp_path / "backend" / "f").write_bytes(data)
+        await meta.set_state(row.ino, STATE_DURABLE, backend_keys=["f"], persisted_version=row.version,
+                             persisted_attrs=row.attrs())
+    host = fake_fs(meta)
+
+    async def on_persisted(ino, row):
+        pass
+
+    host.backend, host.notify_state, host.on_persisted = backend, lambda ino: None, on_persisted
+    host.is_open = host.is_cached = lambda ino: False
+    host.unlinked_keys = set
+    host.health, host.pool = SimpleNamespace(mark_up=lambda: None), SimpleNamespace(accept_waits=lambda: None)
+    return Persister(host), meta, row.ino
+
+
+def test_a_chmod_of_a_durable_file_that_cannot_reach_the_backend_leaves_it_durable(tmp_path):
+    """Only its attributes are missing there: never ``broken`` (reads would get EIO)."""
+    async def main():
+        p, meta, ino = await _attrs_persister(tmp_path, b"data", durable=True)
+        await meta.set_attrs(ino, mode=0o100600)
+
+        async def unavailable(key, attrs):
+            raise TransientBackendError("no answer")
+
+        p.backend.set_attrs = unavailable
+        await p._persist_one(ino)  # retry window 0: given up at once
+        row = await meta.get_inode(ino)
+        assert (row.state, p.stats.files_broken) == ("durable", 0)
+        assert p.attrs_pending(row)  # asked again at the next change or state query
+        await meta.close()
+
+    trio.run(main)
+
+
+def test_a_chmod_landing_after_the_upload_read_the_attributes_is_pushed_after_it(tmp_path):
+    """The upload publishes with the mode read just before its rename; a chmod after
+    that (before the file is marked durable) is given to the object by the same job."""
+    data = b"x" * 1000
+
+    async def main():
+        p, meta, ino = await _attrs_persister(tmp_path, data, durable=False)
+        real_open_upload = p.backend.open_upload
+
+        async def send(row, key):
+            upload = await real_open_upload(key)
+            await upload.write_part(0, data)
+            real_complete = upload.complete
+
+            async def complete(size, *, attrs=None):
+                assert attrs is not None and attrs.mode == 0o100644
+                await meta.set_attrs(ino, mode=0o100600, mtime_ns=7)  # the race
+                return await real_complete(size, attrs=attrs)
+
+            upload.complete = complete
+            return upload
+
+        p.uploads.send = send
+        await p._persist_one(ino)
+        st = os.stat(tmp_path / "backend" / "f")
+        assert (st.st_mode, st.st_mtime_ns) == (0o100600, 7)
+        row = await meta.get_inode(ino)
+        assert row.state == "durable" and row.persisted_attrs == row.attrs()
+        assert (p.stats.files_durable, p.stats.attrs_persisted) == (1, 1)
+        await meta.close()
+
+    trio.run(main)
+
+
 def test_a_file_queued_while_files_in_flight_wait_gets_a_spare_upload():
     """Every upload in flight waited for a shared chunk that a file not yet
     queued was to upload: when that file was queued, no spare upload started

@@ -139,6 +139,7 @@ class Reconciler:
 
     async def reconcile(self, ino: int) -> None:
         """One job's work: loop until the backend matches the namespace for ``ino``."""
+        self.pushing_attrs.discard(ino)  # a retry: what fails now is told apart afresh (attrs_failed)
         while True:
             row = await self.meta.get_inode(ino)
             paths = await self.meta.paths_of(ino) if row.nlink > 0 else []
