@@ -11,6 +11,7 @@ guard.)
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
 import subprocess
@@ -157,12 +158,10 @@ def test_identical_writers_land_exact(backend, dram, datapath, make_mount, tmp_p
 def test_writers_of_more_than_the_budget_each_keep_the_mount_up(datapath, make_mount, tmp_path, busy_core):
     # Three processes each write a 96 MiB file under dram=64M: the staging tmpfs fills.  The old
     # hash through a map of a range punched meanwhile died of SIGBUS (every process using the
-    # mount got ENOTCONN).  Through requests (the kernel session without passthrough, and pyfuse3):
-    # one file larger than the room the staging tmpfs has is not written by the kernel itself yet
-    # (passthrough keeps a file's own ranges while it is open: ENOSPC).
-    mode = "kernel" if datapath == "passthrough" else datapath
+    # mount got ENOTCONN); with passthrough each file kept its own ranges in the tmpfs while open
+    # and the second writer got ENOSPC.
     (tmp_path / "backend").mkdir()
-    mnt = make_mount(f"file://{tmp_path / 'backend'}", dram="64M", datapath=mode)
+    mnt = make_mount(f"file://{tmp_path / 'backend'}", dram="64M")
     script = tmp_path / "big.py"
     script.write_text(textwrap.dedent("""
         import os, sys, multiprocessing as mp
@@ -183,6 +182,44 @@ def test_writers_of_more_than_the_budget_each_keep_the_mount_up(datapath, make_m
     aiturbo("wait", mnt.mountpoint, timeout=300)
     assert _differs(oracle, _read_file(str(tmp_path / "backend"))) == []
     _no_bug_in(mnt)
+
+
+def test_one_file_of_three_times_the_staging_room_is_written_whole(datapath, make_mount, tmp_path):
+    # One file of 384 MiB, sequential 1 MiB writes, under dram=64M (a staging tmpfs of 128 MiB).
+    # With passthrough the kernel wrote the file's backing file in the tmpfs and nothing could move
+    # it while open: ENOSPC at 128 MiB.  Now a file the kernel writes has its backing file on disk.
+    size_mib = 384
+    backend = tmp_path / "backend"
+    backend.mkdir()
+    mnt = make_mount(f"file://{backend}", dram="64M")
+    block = os.urandom(MiB)
+    digest = hashlib.sha256()
+    with open(mnt.path("big"), "wb") as f:
+        for n in range(size_mib):
+            piece = n.to_bytes(4, "little") + block[4:]
+            f.write(piece)
+            digest.update(piece)
+    want = digest.hexdigest()
+
+    def sha_of(path: str) -> str:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while piece := f.read(4 * MiB):
+                h.update(piece)
+        return h.hexdigest()
+
+    assert os.path.getsize(mnt.path("big")) == size_mib * MiB
+    assert sha_of(mnt.path("big")) == want
+    aiturbo("wait", mnt.mountpoint, timeout=300)
+    assert state(mnt.path("big")) == "durable"
+    assert sha_of(str(backend / "big")) == want
+    # durable: what the file keeps cached on disk is bounded like the DRAM cache (dram= worth of chunks)
+    staging = json.loads(aiturbo("status", "--json", mnt.mountpoint).stdout)["staging"]
+    assert staging["disk_allocated_bytes"] <= 64 * MiB + 8 * MiB, staging
+    _no_bug_in(mnt)
+    assert mnt.stop() == 0
+    again = make_mount(f"file://{backend}", name="fresh")  # a fresh state dir: only the backend
+    assert sha_of(again.path("big")) == want
 
 
 def test_verify_reports_missing_resized_and_changed_objects(make_mount, tmp_path):

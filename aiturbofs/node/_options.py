@@ -64,6 +64,9 @@ OPTIONS = {
                  "writes and reads them itself, FUSE passthrough, Linux 6.9+ and root), kernel (this daemon speaks the "
                  "FUSE protocol and copies every byte), pyfuse3 (libfuse, the portable path), or auto (default: "
                  "passthrough where the kernel and privileges allow it, else pyfuse3)"),
+    "kernel_writes": ("choice:disk|dram", "where a file the kernel writes itself (passthrough) keeps its bytes: disk "
+                      "(default: a backing file in <spill>/files, held by the page cache, so one file may outgrow DRAM "
+                      "while the disk has room) or dram (the staging tmpfs: a file larger than it gets ENOSPC)"),
     "debug": ("flag", "verbose logging"),
     "log": ("path", "log file when daemonized (default <state_dir>/aiturbo.log)"),
     "debug_faults": ("flag", "allow `aiturbo debug-fault` to inject handler errors (tests only)"),
@@ -116,6 +119,7 @@ class NodeConfig:
     allow_other: bool = False
     read_only: bool = False
     datapath: str = "auto"
+    kernel_writes: str = "disk"
     debug: bool = False
     log: str | None = None
     debug_faults: bool = False
@@ -232,6 +236,7 @@ def build_config(backend: str, mountpoint: str, options: dict, *, foreground: bo
     cfg.allow_other = options.get("allow_other", os.geteuid() == 0)
     cfg.read_only = options.get("ro", False)
     cfg.datapath = options.get("datapath", "auto")
+    cfg.kernel_writes = options.get("kernel_writes", "disk")
     cfg.debug = options.get("debug", False)
     cfg.log = options.get("log")
     cfg.debug_faults = options.get("debug_faults", False)

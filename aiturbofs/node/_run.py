@@ -39,7 +39,7 @@ from ..cluster import ClusterNode, SingleNode
 from ..controller import EmbeddedController
 from ..fabric import load_secret, open_transport, parse_address
 from ..fuse import Operations, datapath, probe_passthrough
-from ..staging import BackingArea, SpillStore, StagingPool
+from ..staging import SPILL_FILES_DIR, BackingArea, SpillStore, StagingPool
 from ..vfs import Filesystem, VfsLocalSide, VfsOptions
 from . import _control, _metrics
 from ._options import NodeConfig
@@ -180,7 +180,8 @@ async def _main(cfg: NodeConfig, state_dir: str, ready: ReadyPipe) -> int:
     spill = SpillStore(cfg.spill or os.path.join(state_dir, "spill"))
     pool = StagingPool(cfg.dram_bytes, spill, eager_spill=cfg.spill is not None)
     staging = BackingArea(cfg.staging or default_staging_dir(state_dir),
-                          tmpfs_bytes=None if cfg.staging else _staging_tmpfs_bytes(cfg.dram_bytes))
+                          tmpfs_bytes=None if cfg.staging else _staging_tmpfs_bytes(cfg.dram_bytes),
+                          disk_directory=os.path.join(spill.directory, SPILL_FILES_DIR) if cfg.kernel_writes == "disk" else None)
     try:
         _check_staging_room(staging.directory, cfg.dram_bytes)
         cluster = _cluster_node(cfg, meta, pool, staging)  # a bad secret file fails here: after the tmpfs is mounted
@@ -411,7 +412,9 @@ class _Dispatcher:
             "uptime_s": round(time.time() - self.started, 1),
             "metrics": self.metrics_url,
             "pool": vars(self.pool.stats()),
-            "staging": {"dir": self.fs.staging.directory, "allocated_bytes": self.fs.staging.bytes_allocated()},
+            "staging": {"dir": self.fs.staging.directory, "allocated_bytes": self.fs.staging.bytes_allocated(),
+                        "disk_dir": self.fs.staging.disk_directory,
+                        "disk_allocated_bytes": self.fs.staging.bytes_allocated(on_disk=True)},
             # the data path serving requests; whether the kernel would take backing files (FUSE passthrough)
             "fuse": {"datapath": self.fuse.name, "passthrough_available": self.passthrough.available,
                      "passthrough": self.passthrough.reason, **self.fuse.counts()},

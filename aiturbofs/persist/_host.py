@@ -29,7 +29,7 @@ class PersistHost(Protocol):
     async def on_persisted(self, ino: int, row) -> None:
         """``row.version`` is durable (or broken): release its pins."""
 
-    def adopt_recovered(self, row, pinned: set[int], backing) -> None:
+    def adopt_recovered(self, row, pinned: set[int], backings: list) -> None:
         """After a restart: hold the recovered pins of a staged file."""
 
     def kernel_writing(self, ino: int) -> bool:

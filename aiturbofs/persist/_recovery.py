@@ -16,7 +16,7 @@ from .. import chunk
 from .._errors import BackendError, IntegrityError, NotFound
 from .._limits import CHUNK_BYTES
 from ..meta import STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED
-from ..staging import content_key_of, room
+from ..staging import content_key_of, room_in
 from ._host import PersistHost, is_mine
 from ._verify import holds_version
 
@@ -48,17 +48,20 @@ class Recovery:
         held: list[bytes] = []
         wanted = {}  # key -> length, of chunks in no row's own range
         for row in rows:
-            backing = staging.existing(row.ino)
+            backings = staging.existing(row.ino)
             for index, k in enumerate(chunk.unpack_manifest(row.manifest or b"")):
                 if k == chunk.HOLE or self.pool.has(k) or k in self.pool.spill:
                     continue
                 length = chunk.chunk_length(row.size, index)
-                if backing is None or not await self._recover_range(backing, index, k, length, held):
+                for backing in backings:
+                    if await self._recover_range(backing, index, k, length, held):
+                        break
+                else:
                     wanted[k] = length
-        for ino in sorted(staging.found - {row.ino for row in rows}):
+        for orphan in staging.orphans({row.ino for row in rows}):
             if not wanted:
                 break
-            await self._recover_from_orphan(staging.file(ino), wanted, held)
+            await self._recover_from_orphan(orphan, wanted, held)
         for row in rows:
             keys = chunk.unpack_manifest(row.manifest or b"")
             present = [k for k in keys if k != chunk.HOLE]
@@ -125,7 +128,7 @@ class Recovery:
             return False
         if found != key or self.pool.has(key):
             return found == key
-        charge = room(length, index)
+        charge = room_in(rng, length)
         self.pool.count_recovered(charge)
         self.pool.adopt_range(key, rng, length, charge, pin=False)
         self.pool.hold(key, +1)  # until the rows that need it are pinned

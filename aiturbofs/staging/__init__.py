@@ -10,4 +10,6 @@ from ._pool import Pins as Pins
 from ._pool import PoolStats as PoolStats
 from ._pool import StagingPool as StagingPool
 from ._pool import room as room
+from ._pool import room_in as room_in
+from ._spill import SPILL_FILES_DIR as SPILL_FILES_DIR
 from ._spill import SpillStore as SpillStore

@@ -12,6 +12,14 @@ A chunk this node keeps for a peer's file (a replica) has a backing file of
 its own, ``DIR/r<digest hex>``, with the chunk at offset 0: the receiver
 knows the chunk's digest, not the file's layout.
 
+A file the kernel writes itself (FUSE passthrough) cannot be made to wait
+for memory, so its bytes could outgrow the tmpfs: such a file gets its
+backing file on a local disk instead, ``DISK_DIR/<ino>`` (``on_disk``; the
+area's ``disk_directory``, by default in the spill dir).  The kernel's page
+cache holds it and writes it back; it costs the pool nothing (``room_in``
+in ``_pool``).  For a moment after a crash an inode may have a backing file
+in both places: ``existing`` lists both.
+
 The staging area outlives the daemon: after a kill -9 the next start finds
 the backing file of every staged file, and every replica, and recovers the
 chunks that still hash to the manifest (a replica: to its name).  A host reboot empties a tmpfs (see docs/design.md,
@@ -209,13 +217,16 @@ def _parse_name(name: str) -> int | bytes | None:
 class BackingFile:
     """One file's bytes, chunk by chunk, or one replica chunk at range 0 (see module doc)."""
 
-    __slots__ = ("area", "ino", "name", "path", "_ranges", "users", "kernel_opens", "kernel_writers")
+    __slots__ = ("area", "ino", "name", "path", "on_disk", "_ranges", "users", "kernel_opens", "kernel_writers")
 
-    def __init__(self, area: "BackingArea", name: str, ino: int | None):
+    def __init__(self, area: "BackingArea", name: str, ino: int | None, *, on_disk: bool = False):
         self.area = area
         self.ino = ino  # None: a replica's file
         self.name = name
-        self.path = os.path.join(area.directory, name)
+        self.on_disk = on_disk  # in the area's disk directory (page cache), not the tmpfs: costs no budget
+        directory = area.disk_directory if on_disk else area.directory
+        assert directory is not None
+        self.path = os.path.join(directory, name)
         self._ranges: dict[int, Range] = {}
         self.users = 0  # FileContents holding it (the pool's entries are counted by their ranges)
         # Opens the kernel serves from this file itself (FUSE passthrough), and those of them that
@@ -255,11 +266,14 @@ class BackingArea:
     inode numbers for recovery, which keeps what it needs and calls
     ``sweep`` to remove the rest.  With ``tmpfs_bytes`` the directory gets a
     tmpfs of its own, with huge pages (``mount_tmpfs``), where the daemon
-    may mount; else it is used as it is.
+    may mount; else it is used as it is.  ``disk_directory`` (created 0700
+    if missing) holds the backing files of files the kernel writes (see the
+    module doc); ``found_on_disk`` lists those a previous run left.
     """
 
-    def __init__(self, directory: str, *, tmpfs_bytes: int | None = None):
+    def __init__(self, directory: str, *, tmpfs_bytes: int | None = None, disk_directory: str | None = None):
         self.directory = os.path.abspath(directory)
+        self.disk_directory = os.path.abspath(disk_directory) if disk_directory else None
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self.tmpfs = False
         if tmpfs_bytes:
@@ -267,10 +281,11 @@ class BackingArea:
             self.tmpfs = why is None
             if why is not None:
                 log.info("staging dir %s: no tmpfs of its own (%s); using it as it is", self.directory, why)
-        self._files: dict[str, BackingFile] = {}  # by name
-        self._fds: collections.OrderedDict[str, int] = collections.OrderedDict()  # name -> fd, LRU first
+        self._files: dict[str, BackingFile] = {}  # by path
+        self._fds: collections.OrderedDict[str, int] = collections.OrderedDict()  # path -> fd, LRU first
         self.found: set[int] = set()  # inodes whose backing file a previous run left
         self.found_replicas: set[bytes] = set()  # digests of the replicas it left
+        self.found_on_disk: set[int] = set()  # inodes whose backing file on disk it left
         for name in os.listdir(directory):
             what = _parse_name(name)
             if isinstance(what, int):
@@ -279,46 +294,74 @@ class BackingArea:
                 self.found_replicas.add(what)
             else:
                 log.warning("staging: ignoring foreign file %s in %s", name, directory)
+        if self.disk_directory is not None:
+            os.makedirs(self.disk_directory, mode=0o700, exist_ok=True)
+            for name in os.listdir(self.disk_directory):
+                if name.isdigit():
+                    self.found_on_disk.add(int(name))
+                else:
+                    log.warning("staging: ignoring foreign file %s in %s", name, self.disk_directory)
 
-    def file(self, ino: int) -> BackingFile:
-        """The backing file of inode ``ino`` (made on first write)."""
-        return self._get(str(ino), ino)
+    def file(self, ino: int, *, on_disk: bool = False) -> BackingFile:
+        """The backing file of inode ``ino`` (made on first write), in the tmpfs or, ``on_disk``, the disk directory."""
+        assert not on_disk or self.disk_directory is not None
+        return self._get(str(ino), ino, on_disk)
+
+    def current(self, ino: int) -> BackingFile:
+        """The backing file a content of ``ino`` takes: the one on disk if it is in use (its chunks are cached
+        there), else the tmpfs one."""
+        if self.disk_directory is not None:
+            f = self._files.get(os.path.join(self.disk_directory, str(ino)))
+            if f is not None:
+                return f
+        return self.file(ino)
 
     def replica(self, key: bytes) -> BackingFile:
         """The backing file of the replica of chunk ``key`` (its range 0)."""
-        return self._get(_replica_name(key), None)
+        return self._get(_replica_name(key), None, False)
 
-    def _get(self, name: str, ino: int | None) -> BackingFile:
-        f = self._files.get(name)
+    def _get(self, name: str, ino: int | None, on_disk: bool) -> BackingFile:
+        path = os.path.join(self.disk_directory if on_disk else self.directory, name)  # type: ignore[arg-type]
+        f = self._files.get(path)
         if f is None:
-            f = self._files[name] = BackingFile(self, name, ino)
+            f = self._files[path] = BackingFile(self, name, ino, on_disk=on_disk)
         return f
 
-    def existing(self, ino: int) -> BackingFile | None:
-        """The backing file a previous run left for ``ino``, if any."""
-        return self.file(ino) if ino in self.found else None
+    def existing(self, ino: int) -> list[BackingFile]:
+        """The backing files a previous run left for ``ino``: none, one, or (a crash while a file moved to
+        disk) one in each place."""
+        found = [self.file(ino)] if ino in self.found else []
+        return found + ([self.file(ino, on_disk=True)] if ino in self.found_on_disk else [])
+
+    def orphans(self, inos: set[int]) -> list[BackingFile]:
+        """The backing files a previous run left for inodes not in ``inos`` (files removed before it stopped)."""
+        return ([self.file(ino) for ino in sorted(self.found - inos)]
+                + [self.file(ino, on_disk=True) for ino in sorted(self.found_on_disk - inos)])
 
     def _fd(self, f: BackingFile) -> int:
-        fd = self._fds.get(f.name)
+        fd = self._fds.get(f.path)
         if fd is not None:
-            self._fds.move_to_end(f.name)
+            self._fds.move_to_end(f.path)
             return fd
         while len(self._fds) >= BACKING_FDS_OPEN_MAX:
-            _name, old = self._fds.popitem(last=False)
+            _path, old = self._fds.popitem(last=False)
             os.close(old)
         fd = os.open(f.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        self._fds[f.name] = fd
+        self._fds[f.path] = fd
         return fd
 
     def release(self, f: BackingFile) -> None:
         """Remove ``f`` once nothing uses it any more."""
-        if f.in_use or self._files.get(f.name) is not f:
+        if f.in_use or self._files.get(f.path) is not f:
             return
-        del self._files[f.name]
-        fd = self._fds.pop(f.name, None)
+        del self._files[f.path]
+        fd = self._fds.pop(f.path, None)
         if fd is not None:
             os.close(fd)
-        if f.ino is not None:
+        if f.on_disk:
+            assert f.ino is not None
+            self.found_on_disk.discard(f.ino)
+        elif f.ino is not None:
             self.found.discard(f.ino)
         else:
             self.found_replicas.discard(bytes.fromhex(f.name[1:]))
@@ -331,13 +374,17 @@ class BackingArea:
         """After recovery: remove what the previous run left that nothing took."""
         for ino in list(self.found):
             self.release(self.file(ino))
+        for ino in list(self.found_on_disk):
+            self.release(self.file(ino, on_disk=True))
         for key in list(self.found_replicas):
             self.release(self.replica(key))
 
-    def bytes_allocated(self) -> int:
-        """What the backing files hold (st_blocks), for status."""
+    def bytes_allocated(self, *, on_disk: bool = False) -> int:
+        """What the backing files in the tmpfs (or ``on_disk``) hold (st_blocks), for status."""
         total = 0
         for f in self._files.values():
+            if f.on_disk != on_disk:
+                continue
             try:
                 total += os.stat(f.path).st_blocks * 512
             except FileNotFoundError:
@@ -350,6 +397,8 @@ class BackingArea:
         self._files.clear()
         self.found.clear()
         self.found_replicas.clear()
+        self.found_on_disk.clear()
+        self._remove_disk_dir()
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
@@ -365,10 +414,26 @@ class BackingArea:
         except OSError:
             pass  # foreign files: left where they are
 
+    def _remove_disk_dir(self) -> None:
+        if self.disk_directory is None:
+            return
+        try:
+            names = os.listdir(self.disk_directory)
+        except FileNotFoundError:
+            return
+        for name in names:
+            if name.isdigit():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.disk_directory, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(self.disk_directory)
+
     def remove_if_empty(self) -> None:
         """At exit: a staging dir with no backing file left holds nothing to recover: remove it (and its tmpfs)."""
         try:
             if any(_parse_name(name) is not None for name in os.listdir(self.directory)):
+                return
+            if self.disk_directory is not None and any(n.isdigit() for n in os.listdir(self.disk_directory)):
                 return
         except FileNotFoundError:
             return

@@ -15,7 +15,13 @@ The pool accounts for every byte of staged or cached data on the node:
   dedup inside one node;
 * a few recycled full-size buffers.
 
-All of them count against ``budget_bytes``.  When a writer needs memory and
+All of them count against ``budget_bytes``, except ranges of backing files
+on disk (those of files the kernel writes, ``_backing``): the page cache
+holds them and the kernel writes them back, so they count for nothing
+(``room_in``).  A pinned chunk there needs no spill (it is on disk); a clean
+one is kept in an LRU of its own, trimmed to ``budget_bytes`` of chunks.
+
+All the others count against the budget.  When a writer needs memory and
 the budget is spent, the pool evicts clean entries, then spills pinned ones
 (at once with ``-o spill``, after ``SPILL_WAIT_S`` of waiting for persist
 otherwise), then waits.  A write therefore never fails because the pool is
@@ -48,6 +54,11 @@ Fetch = Callable[[], Awaitable[bytes]]
 def room(want: int, index: int) -> int:
     """The budget an open chunk holding ``want`` bytes counts for: a small file's first chunk counts what it uses."""
     return CHUNK_BYTES if (want > SMALL_BUFFER_BYTES or index > 0) else _charge_of(want)
+
+
+def room_in(rng: Range, want: int) -> int:
+    """``room`` of ``want`` bytes in ``rng``: nothing in a backing file on disk (the page cache holds it)."""
+    return 0 if rng.file.on_disk else room(want, rng.index)
 
 
 class Entry:
@@ -111,6 +122,10 @@ class StagingPool:
         self._evictable: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()
         # In-memory pinned entries with no copy on disk yet, oldest first.
         self._unspilled: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()
+        # Unpinned steady entries in ranges of backing files on disk (a cache costing no budget), LRU first,
+        # and the bytes they hold: trimmed to budget_bytes.
+        self._on_disk: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()
+        self._on_disk_bytes = 0
         self._free: list[bytearray] = []
         self._freed = trio.Event()
         self._spill_wanted = trio.Event()
@@ -516,7 +531,7 @@ class StagingPool:
         if (e is None or not e.resident or e.pins or e.spilled or e.volatile
                 or old in self._inflight or new in self._entries):
             return False
-        self._evictable.pop(old, None)
+        self._unindex(e)
         del self._entries[old]
         e.key = new
         self._entries[new] = e
@@ -555,16 +570,27 @@ class StagingPool:
         self.pin(key)
         return True
 
-    def _place(self, e: Entry) -> None:
-        """File ``e`` in the right index after any change of its state."""
+    def _unindex(self, e: Entry) -> None:
         self._evictable.pop(e.key, None)
         self._unspilled.pop(e.key, None)
+        if self._on_disk.pop(e.key, None) is not None:
+            self._on_disk_bytes -= e.length
+
+    def _place(self, e: Entry) -> None:
+        """File ``e`` in the right index after any change of its state."""
+        self._unindex(e)
         if not e.resident:
             if e.pins == 0 and not e.spilled:
                 del self._entries[e.key]
             return
         if e.volatile:
             return  # until steady: the kernel may still change it
+        if e.rng is not None and e.rng.file.on_disk:
+            if e.pins == 0:  # (a pinned one is on disk already: nothing to spill, nothing to evict)
+                self._on_disk[e.key] = e
+                self._on_disk_bytes += e.length
+                self._trim_on_disk(keep=e)
+            return
         if e.pins == 0 or e.spilled:
             self._evictable[e.key] = e
         else:
@@ -578,6 +604,18 @@ class StagingPool:
                 self._drop_memory(e)
                 return True
         return False
+
+    def _trim_on_disk(self, keep: Entry | None = None, limit: int | None = None) -> None:
+        """Drop the oldest clean chunks on disk while they hold more than ``limit`` (``budget_bytes``).  ``keep``
+        (just placed, its caller may still use it), a leased one and one the kernel serves from stay."""
+        limit = self.budget_bytes if limit is None else limit
+        if self._on_disk_bytes <= limit:
+            return
+        for e in [e for e in self._on_disk.values()
+                  if e is not keep and not e.leases and e.rng is not None and not e.rng.file.kernel_opens]:
+            if self._on_disk_bytes <= limit:
+                break
+            self._drop_memory(e)
 
     def _drop_memory(self, e: Entry) -> None:
         """Free the memory of an evictable entry (its bytes are durable, or spilled)."""
@@ -594,6 +632,7 @@ class StagingPool:
 
     def drop_clean(self) -> int:
         """Evict every evictable entry (``aiturbo drop-cache``); returns bytes freed."""
+        self._trim_on_disk(limit=0)
         freed = 0
         while True:
             # used_bytes counts the recycled buffers too: what entries held is the rest
@@ -686,6 +725,8 @@ class StagingPool:
             v = e.bytes(start, count)  # a buffer's view, or a copy of a sealed range (pread)
         if key in self._evictable:
             self._evictable.move_to_end(key)
+        elif key in self._on_disk:
+            self._on_disk.move_to_end(key)
         return v
 
     async def read(self, key: bytes, fetch: Fetch, *, into: Range | None = None, start: int = 0, count: int | None = None):
@@ -736,6 +777,17 @@ class StagingPool:
         n = len(data)
         e = self._entries.get(key)
         if e is not None and e.resident:
+            return
+        if into is not None and into.file.on_disk:
+            # a file on disk caches its own chunk there, costing no budget (the on-disk LRU bounds it)
+            if into.entry is None and not into.writing and not into.file.kernel_opens:
+                try:
+                    into.pwrite(0, data)
+                except OSError as exc:
+                    log.warning("could not cache a chunk in %s: %s", into.file.path, exc)
+                    self._punch(into)
+                    return
+                self.adopt_range(key, into, n, 0, pin=False)
             return
         cap = _charge_of(n)
         if self.used_bytes + cap > self.budget_bytes and not self._evict_one() and not self._free:

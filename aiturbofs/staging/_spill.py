@@ -19,6 +19,9 @@ from .._threads import background
 
 log = logging.getLogger(__name__)
 
+# A directory in the spill dir for the backing files of files the kernel writes (``_backing``): not chunks.
+SPILL_FILES_DIR = "files"
+
 
 class SpillStore:
     """Chunks by digest in one local directory (created 0700 if missing)."""
@@ -30,6 +33,8 @@ class SpillStore:
         self._lengths: dict[bytes, int] = {}
         self._tmp_ids = itertools.count()
         for name in os.listdir(directory):
+            if name == SPILL_FILES_DIR:
+                continue
             if name.endswith(".tmp"):
                 os.unlink(os.path.join(directory, name))  # torn write from a crash
                 continue

@@ -337,7 +337,7 @@ class Filesystem:
 
     def _backing(self, node: Inode, content: FileContent) -> BackingFile:
         if content.backing is None:
-            content.backing = self.staging.file(node.ino)
+            content.backing = self.staging.current(node.ino)
             content.backing.users += 1
         return content.backing
 
@@ -1426,11 +1426,12 @@ class Filesystem:
             await self._maybe_drop(node)
         self.notify_state(ino)
 
-    def adopt_recovered(self, row: InodeRow, pinned: set[int], backing: BackingFile | None) -> None:
+    def adopt_recovered(self, row: InodeRow, pinned: set[int], backings: list[BackingFile]) -> None:
         """After a restart: hold the pins of a staged file recovered from its backing file or spill.
 
-        ``pinned``: the chunk indexes recovery pinned; ``backing``: the
-        backing file the previous run left for it.
+        ``pinned``: the chunk indexes recovery pinned; ``backings``: the
+        backing files the previous run left for it (two after a crash while
+        it moved to disk: the one recovery took more chunks from is its own).
         """
         node = self._inodes.get(row.ino)
         if node is None:
@@ -1440,16 +1441,18 @@ class Filesystem:
         # unchanged since the last durable version (or lost): they hold no pin.
         keys = chunk.unpack_manifest(row.manifest or b"")
         node.pins.append(VersionPins(row.version, Pins(self.pool, [keys[i] for i in sorted(pinned)])))
-        if backing is not None:
-            content.backing = backing
-            backing.users += 1
-            # What recovery did not take from the file's own backing file is not the file's: bytes a
+        for backing in backings:
+            # What recovery did not take from the file's backing files is not the file's: bytes a
             # passthrough writer left there after its last close (never committed), or a chunk now kept
             # elsewhere.  Read through the kernel they would be served; they go.
             for index in range(chunk.chunk_count(backing.size)):
                 rng = backing.range(index)
                 if rng.entry is None:
                     self._punch(rng)
+        if backings:
+            backing = max(backings, key=lambda b: sum(r.entry is not None for r in b.ranges()))
+            content.backing = backing
+            backing.users += 1
         node.content = content
 
     async def restage(self, ino: int) -> dict:

@@ -9,10 +9,15 @@ bookkeeping.
 
 Which opens go to the kernel (``open_kernel``), while a quarter of the pool
 is free (the kernel cannot be made to wait for memory; under pressure files
-are served through requests, which wait):
+are served through requests, which wait), or at any time for a file whose
+backing file is on disk:
 
 * a writer or reader of an empty file (just created, or emptied by O_TRUNC;
-  older versions' chunks in its backing file move out first: ``take_range``);
+  older versions' chunks in its backing file move out first: ``take_range``).
+  A writer's file gets its backing file on disk (``-o kernel_writes=disk``,
+  the default; ``_to_disk``): the kernel writes it into the page cache,
+  which writes back and frees itself, so a file larger than the staging
+  tmpfs, or than DRAM, is written without ENOSPC while the disk has room;
 * a reader or writer of a file whose every chunk is in its own backing file
   (written or read here before), nothing served through requests open; a
   writer first moves out the chunks of versions not yet durable (they get a
@@ -57,10 +62,11 @@ from .. import chunk
 from .._errors import FileTooBig, NoSpace
 from .._limits import KERNEL_CHARGE_POLL_S, PASSTHROUGH_FREE_FRACTION_MIN
 from .._threads import background
-from ..staging import content_key_of, is_hole, room
+from ..staging import content_key_of, is_hole, room_in
 from ._content import FileContent, Slot
 
 if TYPE_CHECKING:
+    from ..staging import BackingFile
     from ._fs import Filesystem, Handle, Inode
 
 log = logging.getLogger(__name__)
@@ -86,7 +92,8 @@ async def open_kernel(fs: Filesystem, handle: Handle) -> int | None:
             # open through requests already (the kernel would refuse the mix), or being written that way
             log.debug("inode %d served through requests: %s", node.ino, "open already" if node.served > 1 else "dirty")
             return None
-        if fs.pool.free_fraction() < PASSTHROUGH_FREE_FRACTION_MIN:
+        to_disk = empty and handle.writable and fs.staging.disk_directory is not None
+        if not (to_disk or backing.on_disk) and fs.pool.free_fraction() < PASSTHROUGH_FREE_FRACTION_MIN:
             # The kernel cannot be made to wait for memory, and a file it serves keeps its chunks
             # in memory: under pressure files are served through requests, which wait while the
             # pool spills, persists and evicts.
@@ -94,6 +101,11 @@ async def open_kernel(fs: Filesystem, handle: Handle) -> int | None:
             return None
         if empty:
             await _empty(fs, backing)
+            if to_disk and not backing.on_disk:
+                moved = await _to_disk(fs, node, content, backing)
+                if moved is None:
+                    return None
+                backing = moved
         elif not _local(content, backing):
             log.debug("inode %d served through requests: not all its chunks are in its backing file", node.ino)
             return None
@@ -128,6 +140,25 @@ async def open_kernel(fs: Filesystem, handle: Handle) -> int | None:
     handle.kernel = True
     content.absorbed = _stamp(os.fstat(backing.fd()))
     return fd
+
+
+async def _to_disk(fs: Filesystem, node: Inode, content: FileContent, backing: BackingFile) -> BackingFile | None:
+    """Give the empty ``content`` a backing file on disk in place of ``backing`` (emptied already); None if the
+    file changed meanwhile (another open came, or another version): then it is served through requests."""
+    disk = fs.staging.file(node.ino, on_disk=True)
+    disk.users += 1  # (held while chunks an earlier run of this inode left there move out)
+    try:
+        await _empty(fs, disk)
+    finally:
+        disk.users -= 1
+    if (node.content is not content or content.backing is not backing or backing.kernel_opens or disk.kernel_opens
+            or node.served > 1 or not _empty_content(content)):
+        fs.staging.release(disk)
+        return None
+    fs._let_go(content)
+    content.backing = disk
+    disk.users += 1
+    return disk
 
 
 async def _catch_up(fs: Filesystem, node: Inode, backing) -> None:
@@ -174,7 +205,7 @@ async def _load(fs: Filesystem, node: Inode, content: FileContent, backing) -> b
     for index, slot, length in missing:
         rng = backing.range(index)
         data = None if slot is None else bytes(await fs._read_slot(node, index, slot, length, cache=False))
-        need = 0 if slot is None else room(length, index)
+        need = 0 if slot is None else room_in(rng, length)
         if need:
             await fs.pool.reserve(need)
         charge, _, _ = await fs.pool.take_range(rng)
@@ -334,7 +365,7 @@ def _reseal(fs: Filesystem, node: Inode, content, index: int, key: bytes, length
         fs.pool.unreserve(charge)
         content.slots[index] = None  # zeros: a hole (punched once no writer can race the punch)
     else:
-        need = room(length, index)
+        need = room_in(rng, length)
         if charge < need:
             fs.pool.charge_present(need - charge)
         elif charge > need:
@@ -400,8 +431,8 @@ async def run_charger(fs: Filesystem) -> None:
         await trio.sleep(KERNEL_CHARGE_POLL_S)
         for node in {n.ino: n for n in fs.kernel_written()}.values():  # (one per file, not per open)
             content = node.content
-            if content is None or content.backing is None:
-                continue
+            if content is None or content.backing is None or content.backing.on_disk:
+                continue  # (on disk: the page cache holds it, not the pool)
             try:
                 allocated = os.fstat(content.backing.fd()).st_blocks * 512
             except OSError:
