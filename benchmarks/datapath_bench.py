@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-mib", type=int, default=1024, help="file / state dict size (default 1024)")
     p.add_argument("--repeat", type=int, default=3, help="repetitions; the table shows medians (default 3)")
     p.add_argument("--configs", default="passthrough,pyfuse3,tmpfs",
-                   help="aiturbofs data paths (passthrough, kernel, pyfuse3) and tmpfs (default passthrough,pyfuse3,tmpfs)")
+                   help="aiturbofs data paths (passthrough, kernel, pyfuse3; passthrough-dram: with -o kernel_writes=dram) "
+                        "and tmpfs (default passthrough,pyfuse3,tmpfs)")
     p.add_argument("--dram", default="6G", help="aiturbofs -o dram= (default 6G)")
     a = p.parse_args(argv)
     configs = [c for c in a.configs.split(",") if c]
@@ -100,8 +101,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 backend = os.path.join(tmp, f"backend-{c}")
                 os.makedirs(backend)
-                am = h.start_aiturbofs(f"file://{backend}", mnt, os.path.join(tmp, f"state-{c}"),
-                                       {"dram": a.dram, "datapath": c})
+                opts = {"dram": a.dram, "datapath": c.removesuffix("-dram")}
+                if c.endswith("-dram"):
+                    opts["kernel_writes"] = "dram"  # the files the kernel writes on the staging tmpfs
+                am = h.start_aiturbofs(f"file://{backend}", mnt, os.path.join(tmp, f"state-{c}"), opts)
                 stack.callback(h.stop_aiturbofs, am)
                 pids[c] = am.proc.pid
             dirs[c] = mnt

@@ -100,8 +100,11 @@ class Mount:
             self._log = None
 
     def wipe_staging(self) -> None:
-        """What a host reboot does to the staging dir on the DRAM tmpfs: its bytes are gone."""
+        """What a power cut does: the staging dir on the DRAM tmpfs is gone, and (the worst case) so are the
+        backing files on disk of files the kernel wrote, which are never fsynced (the spill store's are)."""
         wipe_staging(self.staging_dir)
+        spill = self.options.get("spill") or os.path.join(self.state_dir, "spill")
+        shutil.rmtree(os.path.join(spill, "files"), ignore_errors=True)
 
     def __enter__(self):
         return self.start()

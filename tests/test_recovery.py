@@ -25,7 +25,7 @@ import time
 
 import pytest
 import trio
-from mounting import aiturbo, state, wait_state
+from mounting import aiturbo, state, wait_state, wipe_staging
 from test_durability import (  # noqa: F401  (s3, s3m, s3_outage_server are fixtures)
     CHUNK,
     WAIT_S,
@@ -43,7 +43,8 @@ from test_durability import (  # noqa: F401  (s3, s3m, s3_outage_server are fixt
 )
 
 from aiturbofs import chunk
-from aiturbofs.staging import SpillStore
+from aiturbofs.fuse import probe_passthrough
+from aiturbofs.staging import SPILL_FILES_DIR, SpillStore
 
 IMPORT_SETTLE_S = 1.6  # import_ttl=0.5 (tests' default) + the kernel's 1 s attribute cache
 # Mounts that see a frozen S3 server: no re-listing of directories (one that
@@ -107,7 +108,8 @@ def test_kill9_with_spill_dir_loses_nothing(s3m, tmp_path):
     assert "recovered ino=" in m2.log()
     assert_no_bug(m2.log())
     st = wait_until(lambda: (s := status(m2))["pool"]["pinned_chunks"] == 0 and s, what="pins released")
-    assert st["pool"]["spilled_bytes"] == 0 and os.listdir(spill) == []  # durable: spill copies dropped
+    # durable: spill copies dropped (the dir of the backing files on disk is all that is left)
+    assert st["pool"]["spilled_bytes"] == 0 and set(os.listdir(spill)) <= {SPILL_FILES_DIR}
 
 
 def test_kill9_with_spill_dir_partial_rewrite_of_durable_file(s3m, tmp_path):
@@ -182,12 +184,52 @@ def write_while_frozen(s3m, m) -> tuple[bytes, bytes, dict[str, bytes], bytes]:
     return keep, v1, staged, v2
 
 
+def backing_files(m) -> list[str]:
+    """The backing files a daemon left: in its staging dir, and those of files the kernel wrote, on disk."""
+    found = []
+    for d in (m.staging_dir, os.path.join(m.state_dir, "spill", SPILL_FILES_DIR)):
+        with contextlib.suppress(FileNotFoundError):
+            found += [os.path.join(d, n) for n in os.listdir(d)]
+    return found
+
+
+@pytest.mark.skipif(not (os.geteuid() == 0 and probe_passthrough().available), reason="needs FUSE passthrough")
+def test_kill9_keeps_the_files_the_kernel_wrote_on_disk(s3m):
+    """A file the kernel writes has its backing file on disk (one file may be larger than DRAM); after
+    a kill -9 and a reboot that empties the tmpfs, the restart finds its chunks there, serves and
+    persists them exactly, and the clean exit removes the files there."""
+    m = s3m.mount(datapath="passthrough", **NO_REIMPORT)
+    os.listdir(m.mountpoint)
+    s3m.server.freeze()  # everything stays staged
+    files = {"big.bin": secrets.token_bytes(3 * CHUNK + 12345), "small.bin": b"tiny"}
+    for name, data in files.items():
+        put(m.path(name), data)
+    on_disk = os.listdir(os.path.join(m.state_dir, "spill", SPILL_FILES_DIR))
+    assert len(on_disk) == 2, on_disk
+    m.kill()
+    wipe_staging(m.staging_dir)  # a clean reboot: the tmpfs is gone, the disk keeps what the page cache wrote back
+    s3m.server.thaw()
+    m2 = remount(s3m, m, datapath="passthrough")
+    for name, data in files.items():
+        assert get(m2.path(name)) == data
+    r = aiturbo("wait", m2.mountpoint, check=False, timeout=WAIT_S)
+    assert r.returncode == 0, r.stderr
+    objects = s3m.objects()
+    for name, data in files.items():
+        assert objects[name] == data
+    log = m2.log()
+    assert "broken" not in log and log.count("recovered ino=") == 2, log[-3000:]
+    assert_no_bug(log)
+    assert m2.stop() == 0
+    assert backing_files(m) == []
+
+
 def test_kill9_without_spill_loses_nothing_closed(s3m):
     """The backing files outlive the daemon: a restart persists every closed file, exact."""
     m = s3m.mount(**NO_REIMPORT)
     keep, _v1, staged, v2 = write_while_frozen(s3m, m)
     m.kill()
-    assert os.listdir(m.staging_dir)  # the staged bytes are still on the tmpfs
+    assert backing_files(m)  # the staged bytes are still on the tmpfs (or on disk: files the kernel wrote)
     s3m.server.thaw()
     m2 = remount(s3m, m)
     r = aiturbo("wait", m2.mountpoint, check=False, timeout=WAIT_S)
@@ -337,7 +379,7 @@ def test_host_reboot_without_spill_reports_broken_never_other_bytes(s3m):
     m = s3m.mount(**NO_REIMPORT)
     keep, v1, lost, _v2 = write_while_frozen(s3m, m)
     m.kill()
-    m.wipe_staging()  # what a reboot does to the DRAM tmpfs
+    m.wipe_staging()  # what a power cut does to the DRAM tmpfs (and to the page cache)
     s3m.server.thaw()
     m2 = remount(s3m, m)
     for name in lost:

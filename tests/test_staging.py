@@ -10,7 +10,7 @@ import trio
 from aiturbofs import chunk
 from aiturbofs._errors import IntegrityError
 from aiturbofs._limits import CHUNK_BYTES
-from aiturbofs.staging import BackingArea, Pins, SpillStore, StagingPool, content_key_of
+from aiturbofs.staging import SPILL_FILES_DIR, BackingArea, Pins, SpillStore, StagingPool, content_key_of, room_in
 from aiturbofs.staging._backing import punch_hole
 
 
@@ -557,3 +557,89 @@ def test_a_chunk_dropped_from_spill_while_it_is_read_is_fetched(tmp_path):
         assert bytes(await pool.read(key, fetch)) == bytes(data)
 
     run(main)
+
+
+# --- backing files on disk (files the kernel writes): they cost the pool nothing ---------------------------
+
+def test_chunks_on_disk_cost_no_budget_and_clean_ones_are_trimmed_to_it(tmp_path):
+    # A file the kernel writes has its backing file on disk: its sealed chunks count for nothing (the
+    # page cache holds them), a pinned one is neither evicted nor spilled, and once clean they are an
+    # LRU of their own, trimmed to the budget's worth of chunks (oldest first, the leased one kept).
+    async def main():
+        area = BackingArea(str(tmp_path / "staging"), disk_directory=str(tmp_path / "spill" / SPILL_FILES_DIR))
+        pool = StagingPool(2 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+        f = area.file(5, on_disk=True)
+        assert f.on_disk and f.path.startswith(str(tmp_path / "spill" / SPILL_FILES_DIR))
+        keys = []
+        for index in range(4):  # twice the budget
+            rng = f.range(index)
+            data = bytes([index + 1]) * CHUNK_BYTES
+            assert room_in(rng, CHUNK_BYTES) == 0
+            rng.pwrite(0, data)
+            keys.append(chunk.content_key(data))
+            pool.adopt_range(keys[-1], rng, CHUNK_BYTES, room_in(rng, CHUNK_BYTES))
+        assert pool.used_bytes == 0 and pool.stats().dirty_bytes == 0
+        rng = area.file(5, on_disk=True).range(4)  # a chunk written there through requests: room reserved
+        assert await pool.reserve(CHUNK_BYTES)
+        rng.pwrite(0, bytes([9]) * CHUNK_BYTES)
+        keys.append(chunk.content_key(bytes([9]) * CHUNK_BYTES))
+        pool.adopt_range(keys[-1], rng, CHUNK_BYTES, CHUNK_BYTES)
+        assert pool.used_bytes == 0  # given back once sealed: nothing could evict it to free it (a writer hung)
+        assert pool.drop_clean() == 0 and all(pool.has(k) for k in keys)  # pinned: nothing drops them
+        with trio.fail_after(1):
+            buf = await pool.alloc(CHUNK_BYTES)  # the budget is all free
+        pool.release(buf)
+        pool.hold(keys[0], +1)  # a reader of the oldest
+        for k in keys:
+            pool.unpin(k)  # durable
+        assert [pool.has(k) for k in keys] == [True, False, False, False, True]
+        assert bytes(pool.view(keys[4])) == bytes([9]) * CHUNK_BYTES
+        assert area.bytes_allocated(on_disk=True) <= 2 * CHUNK_BYTES
+        pool.hold(keys[0], -1)
+        pool.drop_clean()
+        assert not any(pool.has(k) for k in keys) and area.bytes_allocated(on_disk=True) == 0
+
+    run(main)
+
+
+def test_with_spill_a_pinned_chunk_on_disk_is_copied_to_the_spill_store(tmp_path):
+    # The page cache may lose what it has not written back in a power cut; -o spill promises a copy that
+    # does not (fsynced), so a pinned chunk on disk is spilled too, and dropped from the spill once durable.
+    async def main():
+        spill = SpillStore(str(tmp_path / "spill"))
+        area = BackingArea(str(tmp_path / "staging"), disk_directory=str(tmp_path / "spill" / SPILL_FILES_DIR))
+        pool = StagingPool(2 * CHUNK_BYTES, spill, eager_spill=True)
+        rng = area.file(6, on_disk=True).range(0)
+        data = os.urandom(CHUNK_BYTES - 7)
+        rng.pwrite(0, data)
+        key = chunk.content_key(data)
+        pool.adopt_range(key, rng, len(data), 0)
+        async with trio.open_nursery() as n:
+            n.start_soon(pool.run_spiller)
+            with trio.fail_after(5):
+                while key not in spill:
+                    await trio.sleep(0.01)
+            n.cancel_scope.cancel()
+        assert bytes(await spill.read(key)) == data and pool.has(key) and pool.used_bytes == 0
+        pool.unpin(key)
+        assert key not in spill and pool.has(key)  # durable: the spill copy goes, the cached one stays
+
+    run(main)
+
+
+def test_a_restart_finds_the_backing_files_on_disk_and_the_spill_store_ignores_their_dir(tmp_path):
+    disk = str(tmp_path / "spill" / SPILL_FILES_DIR)
+    area = BackingArea(str(tmp_path / "staging"), disk_directory=disk)
+    area.file(7, on_disk=True).range(0).pwrite(0, b"x" * 100)
+    area.file(7).range(0).pwrite(0, b"y" * 100)  # (a crash while the file moved to disk)
+    area.file(8, on_disk=True).range(0).pwrite(0, b"z" * 100)
+    area.close()
+    again = BackingArea(str(tmp_path / "staging"), disk_directory=disk)
+    assert again.found == {7} and again.found_on_disk == {7, 8}
+    assert [(f.on_disk, f.ino) for f in again.existing(7)] == [(False, 7), (True, 7)]
+    assert [(f.on_disk, f.ino) for f in again.orphans({7})] == [(True, 8)]
+    assert SpillStore(str(tmp_path / "spill")).keys() == []  # its files dir is not a chunk
+    again.sweep()
+    assert os.listdir(disk) == [] and not again.found_on_disk
+    again.remove_if_empty()
+    assert not os.path.exists(disk)

@@ -18,10 +18,12 @@ The pool accounts for every byte of staged or cached data on the node:
 All of them count against ``budget_bytes``, except ranges of backing files
 on disk (those of files the kernel writes, ``_backing``): the page cache
 holds them and the kernel writes them back, so they count for nothing
-(``room_in``).  A pinned chunk there needs no spill (it is on disk); a clean
-one is kept in an LRU of its own, trimmed to ``budget_bytes`` of chunks.
+(``room_in``).  A pinned chunk there outlives a daemon crash where it is
+(with ``-o spill`` it is copied to the spill store as well, which is
+fsynced); a clean one is kept in an LRU of its own, trimmed to
+``budget_bytes`` of chunks.
 
-All the others count against the budget.  When a writer needs memory and
+When a writer needs memory and
 the budget is spent, the pool evicts clean entries, then spills pinned ones
 (at once with ``-o spill``, after ``SPILL_WAIT_S`` of waiting for persist
 otherwise), then waits.  A write therefore never fails because the pool is
@@ -281,6 +283,11 @@ class StagingPool:
         """
         assert rng.entry is None, "a range holds one entry"
         rng.writing = False
+        if charge and rng.file.on_disk:
+            # (a chunk written there through requests: its room was reserved while open) sealed on disk, it
+            # costs nothing; a charge kept there could never be evicted to free it
+            self.unreserve(charge)
+            charge = 0
         e = self._entries.get(key)
         if e is not None and e.volatile:
             self._leave_volatile(e)  # a copy the kernel may change: this range is the chunk now
@@ -586,10 +593,16 @@ class StagingPool:
         if e.volatile:
             return  # until steady: the kernel may still change it
         if e.rng is not None and e.rng.file.on_disk:
-            if e.pins == 0:  # (a pinned one is on disk already: nothing to spill, nothing to evict)
+            assert not e.charge, "a chunk on disk costs no budget"  # (none could evict it to free it)
+            # A pinned chunk there survives a daemon crash as it is; with -o spill it is copied to the spill
+            # store too (fsynced: a host crash may lose the page cache).  It costs no budget: never evicted.
+            if e.pins == 0:
                 self._on_disk[e.key] = e
                 self._on_disk_bytes += e.length
                 self._trim_on_disk(keep=e)
+            elif self.eager_spill and not e.spilled:
+                self._unspilled[e.key] = e
+                self._spill_wanted.set()
             return
         if e.pins == 0 or e.spilled:
             self._evictable[e.key] = e
