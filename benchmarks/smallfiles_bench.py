@@ -14,6 +14,8 @@ whole run:
   bytes into memory (no metadata engine, no persistence): the ceiling of a
   pyfuse3 filesystem on this machine;
 * ``file``: aiturbofs over a ``file://`` backend in a temp dir (SQLite);
+* ``file-dram``: the same with ``-o kernel_writes=dram`` (files the kernel
+  writes keep their backing files on the staging tmpfs, not on disk);
 * ``s3``: aiturbofs over a moto S3 server on loopback (SQLite);
 * ``pg``: three aiturbofs nodes of one cluster (PostgreSQL metadata, moto
   S3, a controller), one writer each, all writing at once (``--writers``
@@ -50,7 +52,7 @@ DURABLE_TIMEOUT_S = 1800.0
 DURABLE_POLL_S = 0.05
 START_DELAY_S = 1.0  # writers start this long after they are launched (python startup is not timed)
 MOTO_CLIENT_THREADS = 4
-CONFIGS = ("tmpfs", "minimal", "file", "s3", "pg")
+CONFIGS = ("tmpfs", "minimal", "file", "file-dram", "s3", "pg")
 GOALS = {1: 2000.0, 8: 5000.0}  # files/s closed (issue: one writer, eight writers)
 
 WRITER = r"""
@@ -133,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-kib", type=int, default=64, help="file size (default 64)")
     p.add_argument("--writers", default="1,8", help="writer processes per run, comma-separated (default 1,8)")
     p.add_argument("--repeat", type=int, default=3, help="runs per config and writer count; medians (default 3)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
+    p.add_argument("--configs", default=",".join(c for c in CONFIGS if c != "file-dram"),
+                   help=f"subset of {','.join(CONFIGS)} (default: all but file-dram)")
     a = p.parse_args(argv)
     size = a.size_kib * KiB
     writer_counts = [int(w) for w in a.writers.split(",")]
@@ -164,12 +167,14 @@ def main(argv: list[str] | None = None) -> int:
             mm = h.MinimalMount(os.path.join(tmp, "minimal"), [], os.path.join(tmp, "minimal.log")).start()
             stack.callback(mm.stop)
             roots["minimal"] = [mm.mountpoint]
-        for name in ("file", "s3"):
+        for name in ("file", "file-dram", "s3"):
             if name not in configs:
                 continue
-            if name == "file":
-                os.makedirs(os.path.join(tmp, "backend"))
-                url, opts = f"file://{tmp}/backend", {}
+            if name.startswith("file"):
+                os.makedirs(os.path.join(tmp, f"backend-{name}"))
+                url, opts = f"file://{tmp}/backend-{name}", {}
+                if name == "file-dram":
+                    opts["kernel_writes"] = "dram"  # files the kernel writes on the staging tmpfs, not on disk
             else:
                 assert server is not None
                 url, opts = f"s3://{BUCKET}/fs", {"s3_endpoint": server.endpoint}
@@ -204,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                     n_writers = 3 if name == "pg" else writers
                     cpu0 = {pid: h.cpu_seconds(pid) for pid in pids.get(name, [])}
                     r = one_run(name, roots[name], a.files, n_writers, size, f"r{rep}w{writers}",
-                                durable=name in ("file", "s3", "pg"))
+                                durable=name in ("file", "file-dram", "s3", "pg"))
                     cpu = sum(h.cpu_seconds(pid) - c for pid, c in cpu0.items())
                     r.update(rep=rep, daemon_cpu_ms_per_file=1000 * cpu / r["files"] if cpu0 else None)
                     runs.append(r)

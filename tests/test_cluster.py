@@ -825,14 +825,16 @@ def cold_pools(c: Cluster) -> dict[str, int]:
     deadline = time.monotonic() + POOLS_SETTLE_S
     while True:
         st = c.statuses()
-        busy = {c.name(i): (s["pool"]["dirty_bytes"], s["cluster"]["replica_files_held"])
-                for i, s in st.items() if s["pool"]["dirty_bytes"] or s["cluster"]["replica_files_held"]}
+        busy = {c.name(i): (dirty, s["cluster"]["replica_files_held"])
+                for i, s in st.items()
+                if (dirty := s["pool"]["dirty_bytes"] + s["pool"]["disk_dirty_bytes"]) or s["cluster"]["replica_files_held"]}
         if not busy:
             break
         assert time.monotonic() < deadline, f"(dirty bytes, replica files held) after {POOLS_SETTLE_S} s: {busy}"
         time.sleep(0.2)
     freed = c.drop_cache()
-    left = {c.name(i): s["pool"]["clean_bytes"] + s["pool"]["dirty_bytes"] for i, s in c.statuses().items()}
+    left = {c.name(i): sum(s["pool"][k] for k in ("clean_bytes", "dirty_bytes", "disk_clean_bytes", "disk_dirty_bytes"))
+            for i, s in c.statuses().items()}
     assert not any(left.values()), f"bytes still in the pools after drop-cache: {left}"
     return freed
 

@@ -254,6 +254,9 @@ def _print_status(s: dict, clusters_shown: set) -> None:
           f"dirty {_human(pool['dirty_bytes'])}, clean {_human(pool['clean_bytes'])}, "
           f"open {_human(pool['open_bytes'])}, spilled {_human(pool['spilled_bytes'])}"
           + (f", {pool['waiting_writers']} writer(s) waiting" if pool["waiting_writers"] else ""))
+    if pool.get("disk_dirty_bytes") or pool.get("disk_clean_bytes"):
+        print(f"  on disk  files the kernel wrote: dirty {_human(pool['disk_dirty_bytes'])}, "
+              f"clean {_human(pool['disk_clean_bytes'])} (page cache, outside the budget)")
     staging = s.get("staging")
     if staging:
         print(f"  staging  {staging['dir']}: {_human(staging['allocated_bytes'])} in backing files (DRAM if a tmpfs)")

@@ -68,8 +68,9 @@ class NodeCollector:
         s = self.pool.stats()
         g = _gauge("aiturbo_pool_bytes", "Bytes of the DRAM staging pool by state: dirty (not yet durable), "
                    "clean (read cache), open (chunks being written), free (recycled buffers), "
-                   "spilled (copies on the spill disk)", labels=["state"])
-        for state in ("dirty", "clean", "open", "free", "spilled"):
+                   "spilled (copies on the spill disk); disk_dirty and disk_clean: chunks of files the kernel wrote, "
+                   "in their backing files on disk (the page cache, not the budget)", labels=["state"])
+        for state in ("dirty", "clean", "open", "free", "spilled", "disk_dirty", "disk_clean"):
             g.add_metric([state], getattr(s, f"{state}_bytes"))
         yield g
         yield _gauge("aiturbo_pool_used_bytes", "Bytes of DRAM the pool holds (counted against the budget)", s.used_bytes)
@@ -78,6 +79,9 @@ class NodeCollector:
         yield _gauge("aiturbo_pool_waiting_writers", "Writers waiting for pool memory (backpressure)", s.waiting_writers)
         yield _gauge("aiturbo_staging_allocated_bytes", "Bytes the backing files in the staging dir allocate "
                      "(DRAM when it is a tmpfs)", self.fs.staging.bytes_allocated())
+        yield _gauge("aiturbo_staging_disk_allocated_bytes", "Bytes the backing files on disk allocate (files the kernel "
+                     "wrote, -o kernel_writes=disk: the page cache and the disk, not the budget)",
+                     self.fs.staging.bytes_allocated(on_disk=True))
 
     def _persist(self):
         p = self.fs.persister

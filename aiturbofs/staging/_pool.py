@@ -109,6 +109,8 @@ class PoolStats:
     spilled_bytes: int  # on the spill disk
     pinned_chunks: int
     waiting_writers: int
+    disk_dirty_bytes: int = 0  # pinned entries in backing files on disk (files the kernel wrote; no budget)
+    disk_clean_bytes: int = 0  # unpinned ones there (a cache trimmed to the budget)
 
 
 class StagingPool:
@@ -139,9 +141,14 @@ class StagingPool:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> PoolStats:
-        dirty = clean = 0
+        dirty = clean = disk_dirty = disk_clean = 0
         for e in self._entries.values():
-            if e.resident:
+            if e.rng is not None and e.rng.file.on_disk:
+                if e.pins:
+                    disk_dirty += e.length
+                else:
+                    disk_clean += e.length
+            elif e.resident:
                 if e.pins:
                     dirty += e.charge
                 else:
@@ -157,6 +164,8 @@ class StagingPool:
             spilled_bytes=self.spill.bytes_used,
             pinned_chunks=sum(1 for e in self._entries.values() if e.pins),
             waiting_writers=self._waiting_writers,
+            disk_dirty_bytes=disk_dirty,
+            disk_clean_bytes=disk_clean,
         )
 
     # ---------------------------------------------------------------- buffers
