@@ -900,7 +900,7 @@ def test_grouped_read_fetches_each_chunk_once(make_cluster):
     chained = [c.name(i) for i in range(3) if d[i]["chunks_from_chain"] > 0]
     assert len(chained) >= 2, f"only {chained} took chunks from a chain predecessor: {d}"
     # what the round fetched and passed along is in each reader's backing file, not in pool buffers
-    staged = {c.name(i): c.status(i)["staging"]["allocated_bytes"] for i in range(3)}
+    staged = {c.name(i): (st := c.status(i)["staging"])["allocated_bytes"] + st["disk_allocated_bytes"] for i in range(3)}
     assert all(b >= 0.9 * size for b in staged.values()), f"backing file bytes per node {staged} for a {size}-byte file"
     assert_clean(c)
 
