@@ -579,6 +579,8 @@ def test_chunks_on_disk_cost_no_budget_and_clean_ones_are_trimmed_to_it(tmp_path
             keys.append(chunk.content_key(data))
             pool.adopt_range(keys[-1], rng, CHUNK_BYTES, room_in(rng, CHUNK_BYTES))
         assert pool.used_bytes == 0 and pool.stats().dirty_bytes == 0
+        # staged on disk is bounded all the same: past the budget's worth, new files go through requests (wait)
+        assert not pool.may_stage_on_disk() and pool.stats().disk_dirty_bytes == 4 * CHUNK_BYTES
         rng = area.file(5, on_disk=True).range(4)  # a chunk written there through requests: room reserved
         assert await pool.reserve(CHUNK_BYTES)
         rng.pwrite(0, bytes([9]) * CHUNK_BYTES)
@@ -593,6 +595,10 @@ def test_chunks_on_disk_cost_no_budget_and_clean_ones_are_trimmed_to_it(tmp_path
         for k in keys:
             pool.unpin(k)  # durable
         assert [pool.has(k) for k in keys] == [True, False, False, False, True]
+        assert pool.may_stage_on_disk()
+        pool.refuse_waits("the backend is full")
+        assert not pool.may_stage_on_disk()  # (writers of new files then get ENOSPC with the reason, not a full disk)
+        pool.accept_waits()
         assert bytes(pool.view(keys[4])) == bytes([9]) * CHUNK_BYTES
         assert area.bytes_allocated(on_disk=True) <= 2 * CHUNK_BYTES
         pool.hold(keys[0], -1)

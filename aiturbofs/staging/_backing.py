@@ -333,6 +333,16 @@ class BackingArea:
         found = [self.file(ino)] if ino in self.found else []
         return found + ([self.file(ino, on_disk=True)] if ino in self.found_on_disk else [])
 
+    def disk_free_bytes(self) -> int:
+        """What the filesystem of the disk directory has free (0 without one, or if it cannot say)."""
+        if self.disk_directory is None:
+            return 0
+        try:
+            st = os.statvfs(self.disk_directory)
+        except OSError:
+            return 0
+        return st.f_bavail * st.f_frsize
+
     def orphans(self, inos: set[int]) -> list[BackingFile]:
         """The backing files a previous run left for inodes not in ``inos`` (files removed before it stopped)."""
         return ([self.file(ino) for ino in sorted(self.found - inos)]

@@ -130,6 +130,9 @@ class StagingPool:
         # and the bytes they hold: trimmed to budget_bytes.
         self._on_disk: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()
         self._on_disk_bytes = 0
+        # Pinned steady entries there (files the kernel wrote, not yet durable), and their bytes.
+        self._on_disk_pinned: dict[bytes, Entry] = {}
+        self._on_disk_pinned_bytes = 0
         self._free: list[bytearray] = []
         self._freed = trio.Event()
         self._spill_wanted = trio.Event()
@@ -340,6 +343,12 @@ class StagingPool:
             pass
         if self.used_bytes > self.budget_bytes:
             self._spill_wanted.set()
+
+    def may_stage_on_disk(self) -> bool:
+        """Whether a new file the kernel writes may stage its bytes on disk: no backend known to be full, and
+        less than ``budget_bytes`` of such files not yet durable there (else new files are written through
+        requests, which wait for persist like any writer: staged data stays bounded)."""
+        return self._refusal is None and self._on_disk_pinned_bytes < self.budget_bytes
 
     def free_fraction(self) -> float:
         """The part of the budget neither used nor taken by pinned chunks (clean ones can be evicted)."""
@@ -591,6 +600,8 @@ class StagingPool:
         self._unspilled.pop(e.key, None)
         if self._on_disk.pop(e.key, None) is not None:
             self._on_disk_bytes -= e.length
+        if self._on_disk_pinned.pop(e.key, None) is not None:
+            self._on_disk_pinned_bytes -= e.length
 
     def _place(self, e: Entry) -> None:
         """File ``e`` in the right index after any change of its state."""
@@ -609,7 +620,10 @@ class StagingPool:
                 self._on_disk[e.key] = e
                 self._on_disk_bytes += e.length
                 self._trim_on_disk(keep=e)
-            elif self.eager_spill and not e.spilled:
+                return
+            self._on_disk_pinned[e.key] = e
+            self._on_disk_pinned_bytes += e.length
+            if self.eager_spill and not e.spilled:
                 self._unspilled[e.key] = e
                 self._spill_wanted.set()
             return

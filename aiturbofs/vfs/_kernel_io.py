@@ -17,7 +17,10 @@ backing file is on disk:
   A writer's file gets its backing file on disk (``-o kernel_writes=disk``,
   the default; ``_to_disk``): the kernel writes it into the page cache,
   which writes back and frees itself, so a file larger than the staging
-  tmpfs, or than DRAM, is written without ENOSPC while the disk has room;
+  tmpfs, or than DRAM, is written without ENOSPC while the disk has room.
+  That while the disk has more room than the tmpfs and less than ``dram=``
+  of such files waits for the backend (``_disk_has_room``); beyond that, as
+  when the backend is full, new files take the paths above;
 * a reader or writer of a file whose every chunk is in its own backing file
   (written or read here before), nothing served through requests open; a
   writer first moves out the chunks of versions not yet durable (they get a
@@ -92,7 +95,7 @@ async def open_kernel(fs: Filesystem, handle: Handle) -> int | None:
             # open through requests already (the kernel would refuse the mix), or being written that way
             log.debug("inode %d served through requests: %s", node.ino, "open already" if node.served > 1 else "dirty")
             return None
-        to_disk = empty and handle.writable and fs.staging.disk_directory is not None
+        to_disk = empty and handle.writable and _disk_has_room(fs)
         if not (to_disk or backing.on_disk) and fs.pool.free_fraction() < PASSTHROUGH_FREE_FRACTION_MIN:
             # The kernel cannot be made to wait for memory, and a file it serves keeps its chunks
             # in memory: under pressure files are served through requests, which wait while the
@@ -140,6 +143,14 @@ async def open_kernel(fs: Filesystem, handle: Handle) -> int | None:
     handle.kernel = True
     content.absorbed = _stamp(os.fstat(backing.fd()))
     return fd
+
+
+def _disk_has_room(fs: Filesystem) -> bool:
+    """Whether a new file the kernel writes goes to disk: where the disk directory's filesystem has more room
+    than the staging tmpfs (a small spill disk would fill before the tmpfs would), and while the pool lets
+    files stage there (``may_stage_on_disk``: writers wait for persist like any other beyond that)."""
+    return (fs.staging.disk_directory is not None and fs.pool.may_stage_on_disk()
+            and fs.staging.disk_free_bytes() >= fs.pool.budget_bytes)
 
 
 async def _to_disk(fs: Filesystem, node: Inode, content: FileContent, backing: BackingFile) -> BackingFile | None:
