@@ -39,6 +39,7 @@ import errno
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from .. import chunk
@@ -214,6 +215,19 @@ def _parse_name(name: str) -> int | bytes | None:
     return None
 
 
+def _unlink_ours(directory: str, ours: Callable[[str], bool]) -> bool:
+    """Remove the files of ``directory`` whose names ``ours`` accepts; False if the directory is gone."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return False
+    for name in names:
+        if ours(name):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
+    return True
+
+
 class BackingFile:
     """One file's bytes, chunk by chunk, or one replica chunk at range 0 (see module doc)."""
 
@@ -224,9 +238,7 @@ class BackingFile:
         self.ino = ino  # None: a replica's file
         self.name = name
         self.on_disk = on_disk  # in the area's disk directory (page cache), not the tmpfs: costs no budget
-        directory = area.disk_directory if on_disk else area.directory
-        assert directory is not None
-        self.path = os.path.join(directory, name)
+        self.path = os.path.join(area.directory_of(on_disk), name)
         self._ranges: dict[int, Range] = {}
         self.users = 0  # FileContents holding it (the pool's entries are counted by their ranges)
         # Opens the kernel serves from this file itself (FUSE passthrough), and those of them that
@@ -302,9 +314,15 @@ class BackingArea:
                 else:
                     log.warning("staging: ignoring foreign file %s in %s", name, self.disk_directory)
 
+    def directory_of(self, on_disk: bool) -> str:
+        """The directory of the backing files in the tmpfs, or ``on_disk``."""
+        if not on_disk:
+            return self.directory
+        assert self.disk_directory is not None, "no disk directory"
+        return self.disk_directory
+
     def file(self, ino: int, *, on_disk: bool = False) -> BackingFile:
         """The backing file of inode ``ino`` (made on first write), in the tmpfs or, ``on_disk``, the disk directory."""
-        assert not on_disk or self.disk_directory is not None
         return self._get(str(ino), ino, on_disk)
 
     def current(self, ino: int) -> BackingFile:
@@ -321,7 +339,7 @@ class BackingArea:
         return self._get(_replica_name(key), None, False)
 
     def _get(self, name: str, ino: int | None, on_disk: bool) -> BackingFile:
-        path = os.path.join(self.disk_directory if on_disk else self.directory, name)  # type: ignore[arg-type]
+        path = os.path.join(self.directory_of(on_disk), name)
         f = self._files.get(path)
         if f is None:
             f = self._files[path] = BackingFile(self, name, ino, on_disk=on_disk)
@@ -408,35 +426,17 @@ class BackingArea:
         self.found.clear()
         self.found_replicas.clear()
         self.found_on_disk.clear()
-        self._remove_disk_dir()
-        try:
-            names = os.listdir(self.directory)
-        except FileNotFoundError:
+        if self.disk_directory is not None and _unlink_ours(self.disk_directory, str.isdigit):
+            with contextlib.suppress(OSError):
+                os.rmdir(self.disk_directory)
+        if not _unlink_ours(self.directory, lambda name: _parse_name(name) is not None):
             return  # removed by someone else meanwhile
-        for name in names:
-            if _parse_name(name) is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.directory, name))
         if self.tmpfs:
             unmount(self.directory)
         try:
             os.rmdir(self.directory)
         except OSError:
             pass  # foreign files: left where they are
-
-    def _remove_disk_dir(self) -> None:
-        if self.disk_directory is None:
-            return
-        try:
-            names = os.listdir(self.disk_directory)
-        except FileNotFoundError:
-            return
-        for name in names:
-            if name.isdigit():
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.disk_directory, name))
-        with contextlib.suppress(OSError):
-            os.rmdir(self.disk_directory)
 
     def remove_if_empty(self) -> None:
         """At exit: a staging dir with no backing file left holds nothing to recover: remove it (and its tmpfs)."""
