@@ -77,6 +77,10 @@ PERSIST_BACKOFF_FIRST_S = 0.2
 PERSIST_BACKOFF_MAX_S = 30.0
 BACKEND_THREADS_MAX = 8  # blocking backend calls in worker threads at once
 LOCAL_SMALL_PART_BYTES = 1 << 20  # file://: a first part up to this is copied and written with the publish (one thread hop)
+# A symlink or special file made beside its name lives for one blocking call before its rename: one
+# older than this was left by a process that died (upload temps are locked instead: backend/_temps.py).
+STALE_NODE_TEMP_S = 600.0
+UPLOAD_DIRS_SWEPT_MAX = 65536  # file://: directories whose dead uploads' temps were looked for (a set of paths)
 BACKEND_CALL_TIMEOUT_S = 120.0  # one backend call (a part, a listing)
 DRAIN_TIMEOUT_S_DEFAULT = 600.0  # default -o drain_timeout at unmount/SIGTERM
 BACKEND_CONNECT_TIMEOUT_S = 10.0  # S3 TCP connect: a dead endpoint fails fast, as transient

@@ -16,6 +16,8 @@ import math
 import os
 import secrets
 import stat
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +39,7 @@ from aiturbofs._errors import (
 )
 from aiturbofs._limits import CHUNK_BYTES, MiB
 from aiturbofs.backend import UPLOAD_TEMP_PREFIX, Backend, NodeAttrs, _base, _local, _s3, check_key, open_backend
+from aiturbofs.backend._base import parent_key
 
 P = CHUNK_BYTES
 
@@ -639,6 +642,61 @@ def _temp_files(root: str) -> list[str]:
     ]
 
 
+_UPLOAD_AND_HANG = """
+import sys, trio
+from aiturbofs.backend import open_backend
+async def main(url, options, key):
+    backend = await open_backend(url, options)
+    upload = await backend.open_upload(key, part_bytes=4)
+    await upload.write_part(1, b"5678")
+    print("writing", flush=True)
+    await trio.sleep_forever()
+trio.run(main, sys.argv[1], eval(sys.argv[2]), sys.argv[3])
+"""
+
+
+def _kill_mid_upload(target: Target, key: str) -> None:
+    """An uploader (a process of its own) killed with SIGKILL while it writes ``key``."""
+    proc = subprocess.Popen([sys.executable, "-c", _UPLOAD_AND_HANG, target.url, repr(target.options), key],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "writing\n"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _dead_temps_go_and_live_ones_stay(target: Target, key: str, other_key: str) -> None:
+    """The temp of an uploader killed while writing ``key`` is gone once the next upload starts (in
+    its directory, for backends whose temps are beside the target); a live upload's temp is kept
+    meanwhile by everything that removes dead ones, in this process and in another."""
+    _kill_mid_upload(target, key)
+    assert len(target.leftovers()) == 1
+
+    async def body(b: Backend):
+        live = await b.open_upload(key, part_bytes=4)
+        await live.write_part(1, b"live")
+        (kept,) = target.leftovers()
+        await put(b, other_key, b"mine")
+        _kill_mid_upload(target, other_key)  # whose first upload looks for dead temps too
+        (dead,) = set(target.leftovers()) - {kept}
+        other = await open_backend(target.url, target.options)  # as another process would
+        try:
+            await other.list_dir(parent_key(key))
+            await other.remove_dir(parent_key(key))
+            await put(other, other_key, b"other")  # its first upload: looks for dead temps
+        finally:
+            await other.aclose()
+        assert target.leftovers() == [kept], dead
+        await live.write_part(0, b"1234")
+        await live.complete(8)
+        assert await read_all(b, key) == b"1234live"
+        assert await read_all(b, other_key) == b"other"
+
+    run(target, body)
+    assert target.leftovers() == []
+
+
 class TestLocal(BackendConformance):
     @pytest.fixture
     def target(self, tmp_path) -> Target:
@@ -657,6 +715,43 @@ class TestLocal(BackendConformance):
             await upload.complete(1)
             assert _temp_files(root) == []
             assert sorted(os.listdir(os.path.join(root, "sub"))) == ["name.bin"]
+
+        run(target, body)
+
+    def test_temps_of_a_killed_uploader_go_at_the_next_upload_and_a_live_ones_stay(self, target: Target):
+        """issue 23: a kill -9 during uploads left ``.aiturbo-upload.*`` files in the backend forever."""
+        _dead_temps_go_and_live_ones_stay(target, "sub/a.bin", "sub/b.bin")
+
+    def test_temps_of_a_killed_uploader_go_when_listed_or_in_the_way_of_a_rmdir(self, target: Target):
+        root = target.url[len("file://") :]
+        _kill_mid_upload(target, "listed/a.bin")
+        _kill_mid_upload(target, "removed/a.bin")
+        assert len(target.leftovers()) == 2
+
+        async def body(b: Backend):
+            assert await names(b, "listed") == {}
+            assert os.listdir(os.path.join(root, "listed")) == []
+            await b.remove_dir("removed")  # only a dead upload's temp was in it
+            assert not os.path.exists(os.path.join(root, "removed"))
+
+        run(target, body)
+
+    def test_a_temp_reaped_while_its_upload_waits_to_publish_fails_that_publish_for_a_retry(self, target: Target):
+        """The shared lock an upload holds turns exclusive at publish, and flock drops it while it
+        waits for remote writers: a reaper that comes between must not make a publish of a
+        removed temp look done."""
+        root = target.url[len("file://") :]
+
+        async def body(b: Backend):
+            upload = await b.open_upload("k", part_bytes=4)
+            await upload.write_part(0, b"1234")
+            await upload.token()  # shared: publish takes the exclusive lock
+            (temp,) = _temp_files(root)
+            os.unlink(temp)  # what a reaper in that window does
+            with pytest.raises(TransientBackendError, match="removed"):
+                await upload.complete(4)
+            await upload.abort()
+            assert await b.stat("k") is None
 
         run(target, body)
 
@@ -902,6 +997,10 @@ class TestMemory(BackendConformance):
     def test_unknown_protocol_is_config_error(self):
         with pytest.raises(ConfigError, match="nosuchproto"):
             run(Target("nosuchproto://x"), lambda b: trio.sleep(0))
+
+    def test_temps_of_a_killed_uploader_go_at_the_next_upload_and_a_live_ones_stay(self, target: Target):
+        """Parts are staged in the local temp dir: a kill -9 left them there for good."""
+        _dead_temps_go_and_live_ones_stay(target, "sub/a.bin", "sub/b.bin")
 
     def test_remote_parts_not_supported(self, target: Target):
         async def body(b: Backend):

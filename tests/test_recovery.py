@@ -20,6 +20,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import sqlite3
 import time
 
@@ -43,6 +44,7 @@ from test_durability import (  # noqa: F401  (s3, s3m, s3_outage_server are fixt
 )
 
 from aiturbofs import chunk
+from aiturbofs.backend import UPLOAD_TEMP_PREFIX
 from aiturbofs.fuse import probe_passthrough
 from aiturbofs.staging import SPILL_FILES_DIR, SpillStore
 
@@ -334,6 +336,50 @@ def test_kill9_between_a_backend_move_and_its_record_finds_the_object_moved(s3m)
     assert "broken" not in m2.log()
     assert "was moved to b.bin before the daemon stopped" in m2.log()
     assert_no_bug(m2.log())
+
+
+def test_kill9_during_an_upload_leaves_no_temp_file_in_the_file_backend(make_mount, tmp_path):
+    """issue 23: a kill -9 during uploads left ``.aiturbo-upload.*`` files in the backend for good
+    (recovery finished, clean unmount after), which also kept ``rmdir`` of their directory from
+    reaching the backend."""
+    backend = str(tmp_path / "backend")
+    m = make_mount()
+    os.mkdir(m.path("d"))
+    data = secrets.token_bytes(64 * MiB)
+    put(m.path("d/big.bin"), data)  # its upload starts at close
+    temps = kill_during_an_upload(m, backend)
+    assert temps, "the daemon was killed with no upload in flight"
+    m2 = make_mount(name="again", state_dir=m.state_dir)
+    r = aiturbo("wait", m2.mountpoint, check=False, timeout=WAIT_S)
+    assert r.returncode == 0, r.stderr
+    assert get(m2.path("d/big.bin")) == data
+    assert upload_temps(backend) == []
+    assert_no_bug(m2.log())
+    assert m2.stop() == 0
+    assert upload_temps(backend) == []
+
+
+def upload_temps(root: str) -> list[str]:
+    return [os.path.join(d, n) for d, _, names in os.walk(root) for n in names if n.startswith(UPLOAD_TEMP_PREFIX)]
+
+
+def kill_during_an_upload(m, backend: str, timeout_s: float = 30.0) -> list[str]:
+    """kill -9 the daemon while an upload's temp file is in ``backend``; returns those temps.
+
+    The daemon is stopped (SIGSTOP) when one is seen, and killed only if it is still there."""
+    assert m.proc is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if upload_temps(backend):
+            m.proc.send_signal(signal.SIGSTOP)
+            temps = upload_temps(backend)
+            if temps:
+                m.kill()
+                return temps
+            m.proc.send_signal(signal.SIGCONT)
+        time.sleep(0.002)
+    m.kill()
+    return []
 
 
 def test_kill9_never_serves_bytes_written_after_the_last_close(s3m):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import posixpath
+import secrets
 import stat
 import tempfile
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ from .._errors import (
     TransientBackendError,
 )
 from .._limits import BACKEND_THREADS_MAX, LIST_ENTRIES_MAX
+from . import _temps
 from ._base import (
     UPLOAD_TEMP_PREFIX,
     Backend,
@@ -101,6 +103,7 @@ class FsspecBackend(Backend):
         self._fs = fs
         self._root = root.rstrip("/")
         self._tmp_dir = tmp_dir
+        self._swept = False  # the temp dir was cleared of dead uploads' temps (see _temps)
         self._timeout_s = timeout_s
         self._limiter = trio.CapacityLimiter(BACKEND_THREADS_MAX)
 
@@ -154,9 +157,9 @@ class FsspecBackend(Backend):
         return data
 
     async def _open_upload(self, key: str, part_bytes: int) -> FsspecUpload:
-        fd, tmp_path = await self._run(
-            f"start upload of {key!r}", tempfile.mkstemp, None, UPLOAD_TEMP_PREFIX, self._tmp_dir, abandon_on_cancel=False
-        )
+        sweep, self._swept = not self._swept, True
+        tmp_path, fd = await self._run(f"start upload of {key!r}", _create_temp_sync, self._tmp_dir, sweep,
+                                       abandon_on_cancel=False)
         return FsspecUpload(self, key, part_bytes, tmp_path, fd)
 
     async def copy(self, src: str, dst: str, *, attrs: NodeAttrs | None = None) -> None:
@@ -327,3 +330,11 @@ def _mtime_ns(entry: dict[str, Any]) -> int:
         if isinstance(value, (int, float)) and value > 0:
             return int(value * 1e9)
     return 0
+
+
+def _create_temp_sync(tmp_dir: str | None, sweep: bool) -> tuple[str, int]:
+    """A new local upload temp, locked (``_temps``); ``sweep``: first remove dead uploads' temps there."""
+    directory = tmp_dir or tempfile.gettempdir()
+    if sweep:
+        _temps.sweep(directory)
+    return _temps.create_locked(directory, lambda: UPLOAD_TEMP_PREFIX + secrets.token_hex(8), 0o600)

@@ -4,7 +4,9 @@ Owns: mapping keys to paths under the root, crash-safe publishing (parts go
 into a hidden temp file beside the target, readable by its owner only, which
 gets the file's mode, owner and mtime, is fsynced and renamed over it),
 parts written into that temp file by other processes (``flock`` keeps them
-from landing after the rename), files', directories' and nodes' attributes
+from landing after the rename), removing the temps of uploads whose process
+died (``_temps``: on the first upload into a directory, when a directory is
+listed, and when one cannot be removed), files', directories' and nodes' attributes
 (``_apply_attrs``), and turning ``OSError`` into the backend error
 vocabulary in one place (``_mapped``).  Every os call runs in a worker
 thread; nothing here retries.
@@ -33,8 +35,10 @@ from .._limits import (
     LOCAL_SMALL_PART_BYTES,
     NAME_BYTES_MAX,
     PATH_BYTES_MAX,
+    UPLOAD_DIRS_SWEPT_MAX,
 )
 from .._syscalls import fsync_dir
+from . import _temps
 from ._base import (
     UPLOAD_TEMP_PREFIX,
     Backend,
@@ -128,6 +132,8 @@ class LocalBackend(Backend):
         self.key_bytes_max = PATH_BYTES_MAX - 1 - len(os.fsencode(root)) - 1 - temp_head_bytes
         self._timeout_s = timeout_s
         self._limiter = trio.CapacityLimiter(BACKEND_THREADS_MAX)
+        # Directories where this process looked for temps of dead uploads (see _temps).
+        self._swept: set[str] = set()
         kinds = {stat_mod.S_IFDIR, stat_mod.S_IFLNK, stat_mod.S_IFIFO, stat_mod.S_IFSOCK}
         if os.geteuid() == 0:
             kinds |= {stat_mod.S_IFCHR, stat_mod.S_IFBLK}
@@ -170,10 +176,15 @@ class LocalBackend(Backend):
 
     async def _open_upload(self, key: str, part_bytes: int) -> LocalUpload:
         path = self._path(key)
-        nonce = secrets.token_hex(_TEMP_NONCE_BYTES)
+        parent = os.path.dirname(path)
+        sweep = parent not in self._swept  # a re-upload after a crash: its dead temp is beside it
+        if sweep:
+            if len(self._swept) >= UPLOAD_DIRS_SWEPT_MAX:
+                self._swept.clear()  # forgetting costs one more look at a directory
+            self._swept.add(parent)
         # Not cancellable: an abandoned create would leak the fd and the temp file.
-        tmp_path, fd = await self._run(f"start upload of {key!r}", _create_temp_sync, path, nonce, self._root,
-                                       abandon_on_cancel=False)
+        nonce, tmp_path, fd = await self._run(f"start upload of {key!r}", _create_temp_sync, path, self._root, sweep,
+                                              abandon_on_cancel=False)
         return LocalUpload(self, key, part_bytes, path, tmp_path, fd, nonce)
 
     async def _write_remote_part(self, key: str, token: str, index: int, data: Buffer, part_bytes: int) -> str:
@@ -234,10 +245,11 @@ class LocalUpload(Upload):
     """Parts are pwrite()n into ``.aiturbo-upload.<nonce>.<name>`` beside the target.
 
     Writes are not cancellable (see ``run_sync``): a write the caller gave up
-    on must not land after the part was re-sent.  Once a token was handed
-    out, publishing takes an exclusive ``flock`` on the temp file, and remote
-    writers a shared one (``_write_remote_sync``), so a remote write either
-    ends before the rename or finds the temp gone.
+    on must not land after the part was re-sent.  The upload holds a shared
+    ``flock`` on its temp file for its whole life (``_temps``: no reaper takes
+    it).  Once a token was handed out, publishing turns it exclusive, and
+    remote writers take a shared one (``_write_remote_sync``), so a remote
+    write either ends before the rename or finds the temp gone.
     """
 
     def __init__(
@@ -331,6 +343,9 @@ class LocalUpload(Upload):
             if self._shared:
                 fcntl.flock(fd, fcntl.LOCK_EX)  # waits for remote writes in flight
             try:
+                # flock drops the shared lock before it waits for the exclusive one: a reaper may have come between.
+                if self._shared and not _temps.still_linked(self._tmp_path, fd):
+                    raise OSError(errno.ESTALE, "the upload's temp file was removed while it waited to publish")
                 self._write_kept()
                 os.ftruncate(fd, size)  # also drops the tail of a longer earlier last part
                 # After the last write (which moves the mtime), before anyone can see it.
@@ -342,7 +357,7 @@ class LocalUpload(Upload):
                 os.replace(self._tmp_path, self._path)
             except BaseException:
                 if self._shared:
-                    fcntl.flock(fd, fcntl.LOCK_UN)  # remote re-sends may come before the retry
+                    fcntl.flock(fd, fcntl.LOCK_SH)  # back to the upload's own lock: remote re-sends may come
                 raise
             self._published = True
         fsync_dir(os.path.dirname(self._path))
@@ -442,6 +457,7 @@ def _list_sync(path: str, key: str, root: str) -> list[ObjectInfo]:
     with entries:
         for entry in entries:
             if entry.name.startswith(UPLOAD_TEMP_PREFIX):
+                _temps.reap(entry.path)  # an upload's, unless its process died
                 continue
             try:
                 info = _info(join_key(key, entry.name), entry.stat(follow_symlinks=False))
@@ -627,11 +643,25 @@ def _in_parent(parent: str, root: str, op: Callable[[], T], again: Callable[[], 
     raise AssertionError("unreachable")
 
 
-def _create_temp_sync(path: str, nonce: str, root: str) -> tuple[str, int]:
-    parent = os.path.dirname(path)
-    tmp_path = os.path.join(parent, _temp_name(os.path.basename(path), nonce))
-    return tmp_path, _in_parent(
-        parent, root, lambda: os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _TEMP_MODE))
+def _create_temp_sync(path: str, root: str, sweep: bool) -> tuple[str, str, int]:
+    """A new upload temp beside ``path``, locked (``_temps``): its nonce, path and fd.
+
+    ``sweep``: first remove the temps dead uploads left in that directory.
+    """
+    parent, basename = os.path.split(path)
+    nonces: list[str] = []
+
+    def name() -> str:
+        nonces.append(secrets.token_hex(_TEMP_NONCE_BYTES))
+        return _temp_name(basename, nonces[-1])
+
+    def make() -> tuple[str, int]:
+        if sweep:
+            _temps.sweep(parent)
+        return _temps.create_locked(parent, name, _TEMP_MODE)
+
+    tmp_path, fd = _in_parent(parent, root, make)
+    return nonces[-1], tmp_path, fd
 
 
 def _copy_range_sync(
@@ -708,19 +738,12 @@ def _write_remote_sync(tmp_path: str, data: Buffer, offset: int) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         # The owner renames under LOCK_EX: a temp still at its name now stays there until we are done.
-        if not _still_linked(tmp_path, fd):
+        if not _temps.still_linked(tmp_path, fd):
             raise gone
         pwrite_sparse(fd, data, offset)
         os.fsync(fd)
     finally:
         os.close(fd)  # also drops the lock
-
-
-def _still_linked(path: str, fd: int) -> bool:
-    try:
-        return os.path.samestat(os.stat(path), os.fstat(fd))
-    except FileNotFoundError:
-        return False
 
 
 def _copy_file_range(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, length: int) -> int:
@@ -768,10 +791,16 @@ def _unlink_sync(path: str) -> None:
 
 
 def _rmdir_sync(path: str) -> None:
-    try:
-        os.rmdir(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-            raise
+    for attempt in range(2):
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            # Not empty: perhaps only because of temps dead uploads left there.
+            if attempt or not _temps.sweep(path):
+                return
+        else:
+            return
