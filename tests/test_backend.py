@@ -1330,7 +1330,7 @@ def test_local_write_below_a_parent_removed_while_it_is_made(tmp_path, monkeypat
     raced: list[str] = []
 
     def mkdir(path, mode=0o777, *args, **kwargs):
-        if os.fspath(path).endswith(os.sep + "sub") and not raced:
+        if (os.path.basename(os.fspath(path)) == "sub") and not raced:  # by its name, in d/'s fd
             raced.append(os.fspath(path))
             os.rmdir(tmp_path / "d")  # the other job's remove_dir of the empty d/
         return real_mkdir(path, mode, *args, **kwargs)

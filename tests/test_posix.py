@@ -18,6 +18,7 @@ import json
 import mmap
 import os
 import random
+import secrets
 import socket
 import stat
 import subprocess
@@ -1242,10 +1243,11 @@ def test_file_created_read_only_and_closed_becomes_durable(make_mount, local_bac
 
 
 def test_paths_longer_than_a_backend_key_are_refused_at_create(make_mount, local_backend):
-    # The file:// backend names a key below its root, within the kernel's
-    # PATH_MAX.  Directories of 255-byte names fill a path to 20 bytes short
-    # of the longest key it takes: a short name still fits, a 255-byte one
-    # cannot be stored and is refused at once.  Descriptors walk down: the
+    # A key is at most PATH_MAX bytes (the file:// backend opens one name
+    # at a time, so its own root does not count).  Directories of 255-byte
+    # names fill a path to 20 bytes short of the longest key it takes: a
+    # short name still fits, a 255-byte one cannot be stored and is refused
+    # at once.  Descriptors walk down: the
     # kernel caps a path argument at PATH_MAX, and the daemon must refuse what
     # the kernel lets through.
     from aiturbofs.backend._local import LocalBackend
@@ -1287,6 +1289,52 @@ def test_paths_longer_than_a_backend_key_are_refused_at_create(make_mount, local
     finally:
         for fd in reversed(fds):
             os.close(fd)
+
+
+def test_a_path_of_path_max_minus_one_bytes_reaches_the_file_backend_and_comes_back(make_mount, local_backend):
+    """issue 23: a path of 4,095 bytes (PATH_MAX - 1) below the mount got ENAMETOOLONG, since the
+    file:// backend named objects by their absolute path; a local filesystem takes it, and so
+    does the backend now, one name at a time."""
+    names = [f"{i:02d}" + "d" * 253 for i in range(15)] + ["f" * 255]
+    assert len("/".join(names)) == 4095
+    data = secrets.token_bytes(100_000)
+
+    def walk(top: str, create: bool) -> list[int]:
+        fds = [os.open(top, os.O_RDONLY | os.O_DIRECTORY)]
+        for name in names[:-1]:
+            if create:
+                os.mkdir(name, dir_fd=fds[-1])
+            fds.append(os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fds[-1]))
+        return fds
+
+    def read_at(top: str) -> bytes:
+        fds = walk(top, create=False)
+        try:
+            f = os.open(names[-1], os.O_RDONLY, dir_fd=fds[-1])
+            try:
+                return os.read(f, len(data) + 1)
+            finally:
+                os.close(f)
+        finally:
+            for fd in reversed(fds):
+                os.close(fd)
+
+    m = make_mount()
+    fds = walk(m.mountpoint, create=True)
+    try:
+        f = os.open(names[-1], os.O_CREAT | os.O_WRONLY, 0o640, dir_fd=fds[-1])
+        os.write(f, data)
+        os.close(f)
+    finally:
+        for fd in reversed(fds):
+            os.close(fd)
+    r = aiturbo("wait", m.mountpoint, check=False, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "broken" not in m.log()
+    assert read_at(str(local_backend)) == data
+    assert m.stop() == 0
+    fresh = make_mount(name="fresh")  # a fresh state dir: the import walks the backend down to it
+    assert read_at(fresh.mountpoint) == data
 
 
 @pytest.mark.parametrize("create", ["rdonly", "written"])

@@ -335,6 +335,11 @@ def _mtime_ns(entry: dict[str, Any]) -> int:
 def _create_temp_sync(tmp_dir: str | None, sweep: bool) -> tuple[str, int]:
     """A new local upload temp, locked (``_temps``); ``sweep``: first remove dead uploads' temps there."""
     directory = tmp_dir or tempfile.gettempdir()
-    if sweep:
-        _temps.sweep(directory)
-    return _temps.create_locked(directory, lambda: UPLOAD_TEMP_PREFIX + secrets.token_hex(8), 0o600)
+    dir_fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if sweep:
+            _temps.sweep(dir_fd, directory)
+        name, fd = _temps.create_locked(dir_fd, lambda: UPLOAD_TEMP_PREFIX + secrets.token_hex(8), 0o600)
+    finally:
+        os.close(dir_fd)
+    return os.path.join(directory, name), fd

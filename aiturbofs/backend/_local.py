@@ -1,15 +1,17 @@
 """The local-directory backend (``file:///abs/path`` or a plain absolute path).
 
-Owns: mapping keys to paths under the root, crash-safe publishing (parts go
-into a hidden temp file beside the target, readable by its owner only, which
-gets the file's mode, owner and mtime, is fsynced and renamed over it),
-parts written into that temp file by other processes (``flock`` keeps them
-from landing after the rename), removing the temps of uploads whose process
-died (``_temps``: on the first upload into a directory, when a directory is
-listed, and when one cannot be removed), files', directories' and nodes' attributes
-(``_apply_attrs``), and turning ``OSError`` into the backend error
-vocabulary in one place (``_mapped``).  Every os call runs in a worker
-thread; nothing here retries.
+Owns: mapping keys to names under the root (each directory opened by its
+name in the one above, never through a symlink: a key may be as long as a
+path below a local mount, not PATH_MAX less the root's path), crash-safe
+publishing (parts go into a hidden temp file beside the target, readable by
+its owner only, which gets the file's mode, owner and mtime, is fsynced and
+renamed over it), parts written into that temp file by other processes
+(``flock`` keeps them from landing after the rename), removing the temps of
+uploads whose process died (``_temps``: on the first upload into a
+directory, when a directory is listed, and when one cannot be removed),
+files', directories' and nodes' attributes (``_apply_attrs``), and turning
+``OSError`` into the backend error vocabulary in one place (``_mapped``).
+Every os call runs in a worker thread; nothing here retries.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from .._limits import (
     PATH_BYTES_MAX,
     UPLOAD_DIRS_SWEPT_MAX,
 )
-from .._syscalls import fsync_dir
 from . import _temps
 from ._base import (
     UPLOAD_TEMP_PREFIX,
@@ -49,6 +50,7 @@ from ._base import (
     check_key,
     join_key,
     make_token,
+    parent_key,
     parse_token,
     punch_hole,
     pwrite_all,
@@ -126,10 +128,10 @@ class LocalBackend(Backend):
     def __init__(self, root: str, timeout_s: float):
         self.url = "file://" + root
         self._root = root
-        # A key's upload temp file, its sibling, must fit the kernel's PATH_MAX
-        # (NUL included) below the root: the temp name adds its head.
-        temp_head_bytes = len(UPLOAD_TEMP_PREFIX) + 2 * _TEMP_NONCE_BYTES + 1
-        self.key_bytes_max = PATH_BYTES_MAX - 1 - len(os.fsencode(root)) - 1 - temp_head_bytes
+        # Every call names one component relative to its directory's fd
+        # (``_open_dir``): a key is limited like a path on a local filesystem,
+        # by NAME_MAX per name, not by PATH_MAX below the root.
+        self.key_bytes_max = PATH_BYTES_MAX
         self._timeout_s = timeout_s
         self._limiter = trio.CapacityLimiter(BACKEND_THREADS_MAX)
         # Directories where this process looked for temps of dead uploads (see _temps).
@@ -158,83 +160,78 @@ class LocalBackend(Backend):
 
     async def list_dir(self, key: str) -> list[ObjectInfo]:
         check_key(key, allow_root=True)
-        return await self._run(f"list {key!r}", _list_sync, self._path(key), key, self._root)
+        return await self._run(f"list {key!r}", _list_sync, self._root, key)
 
     async def stat(self, key: str) -> ObjectInfo | None:
         check_key(key, allow_root=True)
-        return await self._run(f"stat {key!r}", _stat_sync, self._path(key), key)
+        return await self._run(f"stat {key!r}", _stat_sync, self._root, key)
 
     async def read_range(self, key: str, offset: int, length: int, *, if_etag: str | None = None) -> bytes:
         check_key(key)
         if offset < 0 or length < 0:
             raise ValueError(f"read_range({key!r}, {offset}, {length}): negative")
         what = f"read {key!r}"
-        data, etag = await self._run(what, _pread_sync, self._path(key), offset, length, if_etag)
+        data, etag = await self._run(what, _pread_sync, self._root, key, offset, length, if_etag)
         if if_etag is not None and etag != if_etag:
             raise SourceChanged(f"{what}: the object's etag is {etag}, not {if_etag}")
         return data
 
     async def _open_upload(self, key: str, part_bytes: int) -> LocalUpload:
-        path = self._path(key)
-        parent = os.path.dirname(path)
+        parent = parent_key(key)
         sweep = parent not in self._swept  # a re-upload after a crash: its dead temp is beside it
         if sweep:
             if len(self._swept) >= UPLOAD_DIRS_SWEPT_MAX:
                 self._swept.clear()  # forgetting costs one more look at a directory
             self._swept.add(parent)
         # Not cancellable: an abandoned create would leak the fd and the temp file.
-        nonce, tmp_path, fd = await self._run(f"start upload of {key!r}", _create_temp_sync, path, self._root, sweep,
+        nonce, tmp_name, fd = await self._run(f"start upload of {key!r}", _create_temp_sync, self._root, key, sweep,
                                               abandon_on_cancel=False)
-        return LocalUpload(self, key, part_bytes, path, tmp_path, fd, nonce)
+        return LocalUpload(self, key, part_bytes, tmp_name, fd, nonce)
 
     async def _write_remote_part(self, key: str, token: str, index: int, data: Buffer, part_bytes: int) -> str:
         (nonce,) = parse_token(token, "file", key, part_bytes, "temp")
         if not _TEMP_NONCE.fullmatch(nonce):
             raise InvalidArgument(f"bad upload token for {key!r}: temp {nonce!r}")
-        path = self._path(key)
-        tmp_path = os.path.join(os.path.dirname(path), _temp_name(os.path.basename(path), nonce))
         what = f"write remote part {index} of {key!r}"
-        await self._run(what, _write_remote_sync, tmp_path, data, index * part_bytes, abandon_on_cancel=False)
+        await self._run(what, _write_remote_sync, self._root, key, nonce, data, index * part_bytes,
+                        abandon_on_cancel=False)
         return str(len(data))  # the receipt: add_remote_part checks it against the length
 
     async def move(self, src: str, dst: str) -> None:
         """Rename, atomically; a directory moves too, but only here (not portable)."""
         check_key(src)
         check_key(dst)
-        await self._run(f"move {src!r} to {dst!r}", _move_sync, self._path(src), self._path(dst), self._root)
+        await self._run(f"move {src!r} to {dst!r}", _move_sync, self._root, src, dst)
 
     async def delete(self, key: str) -> None:
         """Unlink; raises ``BackendError`` if ``key`` is a directory."""
         check_key(key)
-        await self._run(f"delete {key!r}", _unlink_sync, self._path(key))
+        await self._run(f"delete {key!r}", _unlink_sync, self._root, key)
 
     async def _write_node(self, key: str, node: NodeAttrs) -> None:
-        await self._run(f"write node {key!r}", _write_node_sync, self._path(key), node, self._root,
+        await self._run(f"write node {key!r}", _write_node_sync, self._root, key, node,
                         abandon_on_cancel=False)
 
     async def read_node(self, key: str) -> NodeAttrs | None:
         check_key(key)
-        return await self._run(f"read node {key!r}", _read_node_sync, self._path(key))
+        return await self._run(f"read node {key!r}", _read_node_sync, self._root, key)
 
     async def _set_attrs(self, key: str, attrs: NodeAttrs) -> ObjectInfo:
-        return await self._run(f"set attributes of {key!r}", _set_attrs_sync, self._path(key), key, attrs,
-                               self._root, abandon_on_cancel=False)
+        return await self._run(f"set attributes of {key!r}", _set_attrs_sync, self._root, key, attrs,
+                               abandon_on_cancel=False)
 
     async def makedirs(self, key: str) -> None:
         """mkdir -p; raises ``BackendError`` if a file is in the way."""
         check_key(key, allow_root=True)
-        await self._run(f"makedirs {key!r}", os.makedirs, self._path(key), 0o777, True)
+        await self._run(f"makedirs {key!r}", _makedirs_sync, self._root, key)
 
     async def remove_dir(self, key: str) -> None:
         """rmdir; the root is never removed.  Raises ``BackendError`` if ``key`` is a file."""
         check_key(key, allow_root=True)
         if key:
-            await self._run(f"remove dir {key!r}", _rmdir_sync, self._path(key))
+            await self._run(f"remove dir {key!r}", _rmdir_sync, self._root, key)
 
     # -- helpers --
-
-    def _path(self, key: str) -> str:
-        return os.path.join(self._root, key) if key else self._root
 
     async def _run(self, what: str, fn, *args, abandon_on_cancel: bool = True):
         with _mapped(what):
@@ -252,13 +249,10 @@ class LocalUpload(Upload):
     write either ends before the rename or finds the temp gone.
     """
 
-    def __init__(
-        self, backend: LocalBackend, key: str, part_bytes: int, path: str, tmp_path: str, fd: int, nonce: str
-    ):
+    def __init__(self, backend: LocalBackend, key: str, part_bytes: int, tmp_name: str, fd: int, nonce: str):
         super().__init__(key, part_bytes)
         self._backend = backend
-        self._path = path
-        self._tmp_path = tmp_path
+        self._tmp_name = tmp_name  # beside the key, in its parent directory
         self._fd: int | None = fd
         self._nonce = nonce
         self._shared = False  # a token was handed out: other processes may write parts
@@ -300,12 +294,12 @@ class LocalUpload(Upload):
 
     async def _copy_part(self, index: int, src_key: str, offset: int, length: int, if_etag: str | None) -> None:
         what = f"copy {src_key!r}[{offset}:{offset + length}] to part {index} of {self.key!r}"
-        src_path = self._backend._path(src_key)
+        root = self._backend._root
         dst_offset = index * self.part_bytes
         if index == 0:
             self._small = None  # this part's newest entry
         etag, copied = await self._backend._run(
-            what, self._in_temp, lambda fd: _copy_range_sync(src_path, fd, offset, dst_offset, length, if_etag),
+            what, self._in_temp, lambda fd: _copy_range_sync(root, src_key, fd, offset, dst_offset, length, if_etag),
             abandon_on_cancel=False,
         )
         if if_etag is not None and etag != if_etag:
@@ -337,40 +331,45 @@ class LocalUpload(Upload):
     def _publish_sync(self, size: int, attrs: NodeAttrs | None) -> os.stat_result:
         # Steps already done by an earlier attempt that failed later are skipped,
         # so complete() can be retried.
-        if not self._published:
-            fd = self._fd
-            assert fd is not None  # closed only once published, or by abort (which ends the upload)
+        with _parent_of(self._backend._root, self.key) as (dir_fd, name):
+            if not self._published:
+                self._publish_at(dir_fd, name, size, attrs)
+                self._published = True
+            _fsync_dir_at(dir_fd)
+            self._close_sync()
+            return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+
+    def _publish_at(self, dir_fd: int, name: str, size: int, attrs: NodeAttrs | None) -> None:
+        fd = self._fd
+        assert fd is not None  # closed only once published, or by abort (which ends the upload)
+        if self._shared:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # waits for remote writes in flight
+        try:
+            # flock drops the shared lock before it waits for the exclusive one: a reaper may have come between.
+            if self._shared and not _temps.still_linked(dir_fd, self._tmp_name, fd):
+                raise OSError(errno.ESTALE, "the upload's temp file was removed while it waited to publish")
+            self._write_kept()
+            os.ftruncate(fd, size)  # also drops the tail of a longer earlier last part
+            # After the last write (which moves the mtime), before anyone can see it.
+            if attrs is None:
+                os.fchmod(fd, _DEFAULT_FILE_MODE)
+            else:
+                _apply_attrs(fd, os.fstat(fd), attrs)
+            os.fsync(fd)
+            os.replace(self._tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
             if self._shared:
-                fcntl.flock(fd, fcntl.LOCK_EX)  # waits for remote writes in flight
-            try:
-                # flock drops the shared lock before it waits for the exclusive one: a reaper may have come between.
-                if self._shared and not _temps.still_linked(self._tmp_path, fd):
-                    raise OSError(errno.ESTALE, "the upload's temp file was removed while it waited to publish")
-                self._write_kept()
-                os.ftruncate(fd, size)  # also drops the tail of a longer earlier last part
-                # After the last write (which moves the mtime), before anyone can see it.
-                if attrs is None:
-                    os.fchmod(fd, _DEFAULT_FILE_MODE)
-                else:
-                    _apply_attrs(fd, os.fstat(fd), attrs)
-                os.fsync(fd)
-                os.replace(self._tmp_path, self._path)
-            except BaseException:
-                if self._shared:
-                    fcntl.flock(fd, fcntl.LOCK_SH)  # back to the upload's own lock: remote re-sends may come
-                raise
-            self._published = True
-        fsync_dir(os.path.dirname(self._path))
-        self._close_sync()
-        return os.stat(self._path)
+                fcntl.flock(fd, fcntl.LOCK_SH)  # back to the upload's own lock: remote re-sends may come
+            raise
 
     def _abort_sync(self) -> None:
         self._close_sync()
         if not self._published:
             try:
-                os.unlink(self._tmp_path)
-            except FileNotFoundError:
-                pass
+                with _parent_of(self._backend._root, self.key) as (dir_fd, _):
+                    os.unlink(self._tmp_name, dir_fd=dir_fd)
+            except (FileNotFoundError, NotADirectoryError):
+                pass  # its directory went, and the temp with it
 
     def _close_sync(self) -> None:
         # Forget the fd before closing it: a second close could hit a reused number.
@@ -428,36 +427,92 @@ def _etag(st: os.stat_result) -> str | None:
     return f"{st.st_mtime_ns}-{st.st_size}-{st.st_ino}" if stat_mod.S_ISREG(st.st_mode) else None
 
 
-def _outside(path: str, root: str) -> bool:
-    """True if ``path`` resolves (through symlinks in the backend) outside ``root``."""
-    real, top = os.path.realpath(path), os.path.realpath(root)
-    return real != top and not real.startswith(top.rstrip(os.sep) + os.sep)
+# Every directory on the way to a key is opened by one name relative to the
+# one above it, never following a symlink: no path argument is longer than a
+# name, and nothing is read or written through a symlink in the backend.
+_DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _check_inside(directory: str, root: str) -> None:
-    """Refuse to write below a directory that a symlink leads out of the root.
+def _open_dir(root: str, names: list[str], *, create: bool = False) -> int:
+    """An O_PATH fd of the directory ``root/names...`` (``create``: making
+    those missing, like mkdir -p).
 
-    ENOTDIR (not a directory of the backend): the persister takes it as a
+    Raises ``FileNotFoundError`` for a missing one, ``NotADirectoryError``
+    where a file or a symlink is in the way: the persister takes ENOTDIR as a
     name in the way and waits, since the namespace reaches there only once
-    the symlink was replaced, and its removal may still be queued (a
-    directory made where a symlink was unlinked: its files were marked
-    broken when they raced the removal).
+    the symlink was replaced, and its removal may still be queued.  A symlink
+    is never followed, into the root or out of it.
     """
-    if _outside(directory, root):
-        raise BackendError(f"{directory} resolves to {os.path.realpath(directory)}, outside the backend root {root} "
-                           "(a symlink in the backend): refusing to write there", errno_=errno.ENOTDIR)
-
-
-def _list_sync(path: str, key: str, root: str) -> list[ObjectInfo]:
+    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        entries = os.scandir(path)
+        for name in names:
+            try:
+                below = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o777, dir_fd=fd)
+                below = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = below
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextmanager
+def _parent_of(root: str, key: str, *, create: bool = False) -> Iterator[tuple[int, str]]:
+    """The O_PATH fd of ``key``'s directory (see ``_open_dir``) and ``key``'s last name."""
+    *names, name = key.split("/")
+    fd = _open_dir(root, names, create=create)
+    try:
+        yield fd, name
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def _dir_of(root: str, key: str) -> Iterator[int]:
+    """The O_PATH fd of the directory ``key`` (``''``: the root)."""
+    fd = _open_dir(root, key.split("/") if key else [])
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir_at(dir_fd: int) -> None:
+    """fsync the directory open (O_PATH) at ``dir_fd``: the names made or moved in it are on disk."""
+    fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _list_sync(root: str, key: str) -> list[ObjectInfo]:
+    try:
+        dir_fd = _open_dir(root, key.split("/") if key else [])
     except (FileNotFoundError, NotADirectoryError):
         return []
+    try:
+        listing = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:  # open while the entries are used: their stat() is relative to it
+            return _entries(dir_fd, listing, key)
+        finally:
+            os.close(listing)
+    finally:
+        os.close(dir_fd)
+
+
+def _entries(dir_fd: int, listing: int, key: str) -> list[ObjectInfo]:
     out = []
-    with entries:
+    with os.scandir(listing) as entries:
         for entry in entries:
             if entry.name.startswith(UPLOAD_TEMP_PREFIX):
-                _temps.reap(entry.path)  # an upload's, unless its process died
+                _temps.reap(dir_fd, entry.name)  # an upload's, unless its process died
                 continue
             try:
                 info = _info(join_key(key, entry.name), entry.stat(follow_symlinks=False))
@@ -470,114 +525,129 @@ def _list_sync(path: str, key: str, root: str) -> list[ObjectInfo]:
     return out
 
 
-def _write_node_sync(path: str, node: NodeAttrs, root: str) -> None:
-    """Make ``path`` the node: a directory in place, anything else made beside
+def _write_node_sync(root: str, key: str, node: NodeAttrs) -> None:
+    """Make ``key`` the node: a directory in place, anything else made beside
     it under a hidden name and renamed over it (atomic, like a publish)."""
-    parent = os.path.dirname(path)
     kind = stat_mod.S_IFMT(node.mode)
 
-    def make() -> str | None:
+    def make(dir_fd: int, name: str) -> None:
         if kind == stat_mod.S_IFDIR:
-            _check_inside(path, root)
-            os.makedirs(path, exist_ok=True)
-            _apply_attrs(path, os.lstat(path), node)
-            return None
-        tmp = os.path.join(parent, _temp_name(os.path.basename(path), secrets.token_hex(_TEMP_NONCE_BYTES)))
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, 0o777, dir_fd=dir_fd)
+            fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)  # never through a symlink at the name
+            try:
+                _apply_attrs((dir_fd, name), os.fstat(fd), node)
+            finally:
+                os.close(fd)
+            return
+        tmp = _temp_name(name, secrets.token_hex(_TEMP_NONCE_BYTES))
         if kind == stat_mod.S_IFLNK:
-            os.symlink(node.target or b"", os.fsencode(tmp))
+            os.symlink(node.target or b"", os.fsencode(tmp), dir_fd=dir_fd)
         else:
-            os.mknod(tmp, node.mode, node.rdev)  # FIFO, socket or device; chmod below undoes the umask
-        return tmp
+            os.mknod(tmp, node.mode, node.rdev, dir_fd=dir_fd)  # FIFO, socket or device; chmod below undoes the umask
+        try:
+            _apply_attrs((dir_fd, tmp), os.stat(tmp, dir_fd=dir_fd, follow_symlinks=False), node)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+        _fsync_dir_at(dir_fd)
 
-    tmp = _in_parent(parent, root, make)
-    if tmp is None:
-        return
+    _in_parent(root, key, make)
+
+
+def _read_node_sync(root: str, key: str) -> NodeAttrs | None:
     try:
-        _apply_attrs(tmp, os.lstat(tmp), node)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(parent)
-
-
-def _read_node_sync(path: str) -> NodeAttrs | None:
-    try:
-        st = os.lstat(path)
+        with _parent_of(root, key) as (dir_fd, name):
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat_mod.S_IFMT(st.st_mode) not in _NODE_TYPES:
+                return None
+            target = os.readlink(os.fsencode(name), dir_fd=dir_fd) if stat_mod.S_ISLNK(st.st_mode) else None
     except (FileNotFoundError, NotADirectoryError):
         return None
-    if stat_mod.S_IFMT(st.st_mode) not in _NODE_TYPES:
-        return None
-    target = os.readlink(os.fsencode(path)) if stat_mod.S_ISLNK(st.st_mode) else None
     return NodeAttrs(st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns, st.st_rdev, target)
 
 
-def _apply_attrs(target: int | str, st: os.stat_result, attrs: NodeAttrs) -> None:
-    """Give ``target`` (an fd, or a path: a symlink is not followed) the
-    owner, permission bits and mtime of ``attrs`` where ``st`` (its stat)
-    differs (blocking).
+def _apply_attrs(target: int | tuple[int, str], st: os.stat_result, attrs: NodeAttrs) -> None:
+    """Give ``target`` (an fd, or a name in a directory open at an fd: a
+    symlink is not followed) the owner, permission bits and mtime of
+    ``attrs`` where ``st`` (its stat) differs (blocking).
 
     The owner first (chown clears setuid and setgid), and only as root:
     elsewhere a file stays this process's, and whatever the kernel refuses
     to a process that is not root (a setgid bit of a group it is not in, a
     directory of another user) is left as it is.
     """
-    follow = isinstance(target, int)  # an fd: the flag must stay at its default
+    if isinstance(target, int):
+        node: int | str = target
+        at: dict[str, Any] = {}
+        follow = True  # an fd: the flag must stay at its default
+    else:
+        node, at, follow = target[1], {"dir_fd": target[0]}, False
     root = os.geteuid() == 0
     try:
         chowned = False
         if (root and attrs.uid is not None and attrs.gid is not None
                 and (st.st_uid, st.st_gid) != (attrs.uid, attrs.gid)):
-            os.chown(target, attrs.uid, attrs.gid, follow_symlinks=follow)
+            os.chown(node, attrs.uid, attrs.gid, follow_symlinks=follow, **at)
             chowned = True
         mode = stat_mod.S_IMODE(attrs.mode)
         if not stat_mod.S_ISLNK(st.st_mode) and (chowned or stat_mod.S_IMODE(st.st_mode) != mode):
-            os.chmod(target, mode)  # not a symlink: a path is the node itself (symlinks have no mode)
+            os.chmod(node, mode, **at)  # not a symlink: the name is the node itself (symlinks have no mode)
         if attrs.mtime_ns is not None and st.st_mtime_ns != attrs.mtime_ns:
-            os.utime(target, ns=(st.st_atime_ns, attrs.mtime_ns), follow_symlinks=follow)
+            os.utime(node, ns=(st.st_atime_ns, attrs.mtime_ns), follow_symlinks=follow, **at)
     except PermissionError:
         if root:
             raise
 
 
-def _set_attrs_sync(path: str, key: str, attrs: NodeAttrs, root: str) -> ObjectInfo:
+def _set_attrs_sync(root: str, key: str, attrs: NodeAttrs) -> ObjectInfo:
     """``Backend.set_attrs``: a regular file or directory through an fd opened
-    without following a symlink (no path lookup between the check and the
-    change), other nodes by their path."""
-    _check_inside(os.path.dirname(path), root)
-    st = os.lstat(path)
-    if stat_mod.S_IFMT(st.st_mode) != stat_mod.S_IFMT(attrs.mode):
-        raise BackendError(f"set attributes of {key!r}: it is of type {stat_mod.S_IFMT(st.st_mode):o}, "
-                           f"not {stat_mod.S_IFMT(attrs.mode):o}")
-    if stat_mod.S_ISREG(st.st_mode) or stat_mod.S_ISDIR(st.st_mode):
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except PermissionError:  # not root, and not readable: by its path
-            _apply_attrs(path, st, attrs)
-        else:
+    without following a symlink (no lookup between the check and the
+    change), other nodes by their name."""
+    with _parent_of(root, key) as (dir_fd, name):
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if stat_mod.S_IFMT(st.st_mode) != stat_mod.S_IFMT(attrs.mode):
+            raise BackendError(f"set attributes of {key!r}: it is of type {stat_mod.S_IFMT(st.st_mode):o}, "
+                               f"not {stat_mod.S_IFMT(attrs.mode):o}")
+        if stat_mod.S_ISREG(st.st_mode) or stat_mod.S_ISDIR(st.st_mode):
             try:
-                st = os.fstat(fd)
-                if stat_mod.S_IFMT(st.st_mode) != stat_mod.S_IFMT(attrs.mode):
-                    raise BackendError(f"set attributes of {key!r}: replaced meanwhile by another type")
-                _apply_attrs(fd, st, attrs)
-            finally:
-                os.close(fd)
-    else:
-        _apply_attrs(path, st, attrs)
-    info = _info(key, os.lstat(path))
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+            except PermissionError:  # not root, and not readable: by its name
+                _apply_attrs((dir_fd, name), st, attrs)
+            else:
+                try:
+                    st = os.fstat(fd)
+                    if stat_mod.S_IFMT(st.st_mode) != stat_mod.S_IFMT(attrs.mode):
+                        raise BackendError(f"set attributes of {key!r}: replaced meanwhile by another type")
+                    _apply_attrs(fd, st, attrs)
+                finally:
+                    os.close(fd)
+        else:
+            _apply_attrs((dir_fd, name), st, attrs)
+        info = _info(key, os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
     assert info is not None  # a regular file, directory or node, as checked
     return info
 
 
-def _stat_sync(path: str, key: str) -> ObjectInfo | None:
+def _stat_sync(root: str, key: str) -> ObjectInfo | None:
     try:
-        return _info(key, os.stat(path))
+        if not key:
+            return _info(key, os.stat(root))
+        with _parent_of(root, key) as (dir_fd, name):
+            return _info(key, os.stat(name, dir_fd=dir_fd))
     except (FileNotFoundError, NotADirectoryError):
         return None
 
 
-def _pread_sync(path: str, offset: int, length: int, if_etag: str | None) -> tuple[bytes, str | None]:
+def _open_object(root: str, key: str) -> int:
+    """A read-only fd of the object ``key`` (never through a symlink: ELOOP)."""
+    with _parent_of(root, key) as (dir_fd, name):
+        return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+
+
+def _pread_sync(root: str, key: str, offset: int, length: int, if_etag: str | None) -> tuple[bytes, str | None]:
     """Up to ``length`` bytes at ``offset``, unless the file's etag is not ``if_etag`` (if given).
 
     Returns the bytes and the etag (None without ``if_etag``): ``if_etag``
@@ -587,7 +657,7 @@ def _pread_sync(path: str, offset: int, length: int, if_etag: str | None) -> tup
     tool writing the file in place moves its mtime before its bytes land
     (unless within the clock tick of the file's last change).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = _open_object(root, key)
     try:
         if if_etag is not None and (etag := _etag(os.fstat(fd))) != if_etag:
             return b"", etag
@@ -618,54 +688,53 @@ def _temp_name(basename: str, nonce: str) -> str:
 
 # Directories emptied by a move or delete, or found empty where a node must
 # go, are removed (``remove_dir``) while other calls run in other threads: a
-# parent just made (or one of its ancestors, between makedirs' mkdirs) may
-# vanish before it is used, so the steps that need it are tried again this
-# many times.
+# parent just made (or one of its ancestors, between the mkdirs of a walk)
+# may vanish before it is used, so the steps that need it are tried again
+# this many times.
 _DIR_RACE_TRIES = 3
 
 
-def _in_parent(parent: str, root: str, op: Callable[[], T], again: Callable[[], bool] = lambda: True) -> T:
-    """``op()``, which makes or moves a name in ``parent``, once ``parent``
-    exists (made inside the root, never through a symlink out of it).
+def _in_parent(root: str, key: str, op: Callable[[int, str], T], again: Callable[[], bool] = lambda: True) -> T:
+    """``op(dir_fd, name)``, which makes or moves ``key``'s name in its
+    directory, once that directory exists (made below the root, never
+    through a symlink).
 
     Tried again (``_DIR_RACE_TRIES``, and while ``again()``) when it meets
-    ENOENT: a concurrent ``remove_dir`` took the parent, or an ancestor that
-    makedirs had just made before its last mkdir.
+    ENOENT: a concurrent ``remove_dir`` took the directory, or an ancestor
+    the walk had just made.
     """
     for attempt in range(_DIR_RACE_TRIES):
-        _check_inside(parent, root)  # before makedirs, which would create directories out there
         try:
-            os.makedirs(parent, exist_ok=True)
-            return op()
+            with _parent_of(root, key, create=True) as (dir_fd, name):
+                return op(dir_fd, name)
         except FileNotFoundError:
             if attempt == _DIR_RACE_TRIES - 1 or not again():
                 raise
     raise AssertionError("unreachable")
 
 
-def _create_temp_sync(path: str, root: str, sweep: bool) -> tuple[str, str, int]:
-    """A new upload temp beside ``path``, locked (``_temps``): its nonce, path and fd.
+def _create_temp_sync(root: str, key: str, sweep: bool) -> tuple[str, str, int]:
+    """A new upload temp beside ``key``, locked (``_temps``): its nonce, name and fd.
 
     ``sweep``: first remove the temps dead uploads left in that directory.
     """
-    parent, basename = os.path.split(path)
     nonces: list[str] = []
 
-    def name() -> str:
-        nonces.append(secrets.token_hex(_TEMP_NONCE_BYTES))
-        return _temp_name(basename, nonces[-1])
+    def make(dir_fd: int, name: str) -> tuple[str, int]:
+        def temp_name() -> str:
+            nonces.append(secrets.token_hex(_TEMP_NONCE_BYTES))
+            return _temp_name(name, nonces[-1])
 
-    def make() -> tuple[str, int]:
         if sweep:
-            _temps.sweep(parent)
-        return _temps.create_locked(parent, name, _TEMP_MODE)
+            _temps.sweep(dir_fd, parent_key(key) or "the backend root")
+        return _temps.create_locked(dir_fd, temp_name, _TEMP_MODE)
 
-    tmp_path, fd = _in_parent(parent, root, make)
-    return nonces[-1], tmp_path, fd
+    tmp_name, fd = _in_parent(root, key, make)
+    return nonces[-1], tmp_name, fd
 
 
 def _copy_range_sync(
-    src_path: str, dst_fd: int, src_offset: int, dst_offset: int, length: int, if_etag: str | None
+    root: str, src_key: str, dst_fd: int, src_offset: int, dst_offset: int, length: int, if_etag: str | None
 ) -> tuple[str | None, int]:
     """Copy up to ``length`` bytes unless the source's etag is not ``if_etag`` (if given).
 
@@ -674,7 +743,7 @@ def _copy_range_sync(
     open source, so a replace (rename) after the check cannot change what is
     copied.
     """
-    src_fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
+    src_fd = _open_object(root, src_key)
     try:
         st = os.fstat(src_fd)
         etag = _etag(st)
@@ -727,23 +796,25 @@ def _extents(fd: int, start: int, end: int) -> Iterator[tuple[int, int, bool]]:
         pos = hole
 
 
-def _write_remote_sync(tmp_path: str, data: Buffer, offset: int) -> None:
+def _write_remote_sync(root: str, key: str, nonce: str, data: Buffer, offset: int) -> None:
     """pwrite a part into another process's upload temp, fsynced (its owner may be on another host)."""
     gone = FileNotFoundError(errno.ENOENT, "no such upload (completed or aborted)")
     try:
-        # O_RDWR: on NFS flock is a POSIX lock, and a shared one needs read access.
-        fd = os.open(tmp_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
+        with _parent_of(root, key) as (dir_fd, name):
+            tmp_name = _temp_name(name, nonce)
+            # O_RDWR: on NFS flock is a POSIX lock, and a shared one needs read access.
+            fd = os.open(tmp_name, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dir_fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                # The owner renames under LOCK_EX: a temp still at its name now stays there until we are done.
+                if not _temps.still_linked(dir_fd, tmp_name, fd):
+                    raise gone
+                pwrite_sparse(fd, data, offset)
+                os.fsync(fd)
+            finally:
+                os.close(fd)  # also drops the lock
+    except (FileNotFoundError, NotADirectoryError):
         raise gone from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        # The owner renames under LOCK_EX: a temp still at its name now stays there until we are done.
-        if not _temps.still_linked(tmp_path, fd):
-            raise gone
-        pwrite_sparse(fd, data, offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)  # also drops the lock
 
 
 def _copy_file_range(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, length: int) -> int:
@@ -772,35 +843,67 @@ def _copy_by_reading(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int,
     return done
 
 
-def _move_sync(src: str, dst: str, root: str) -> None:
-    os.lstat(src)  # a missing source must not be reported as a missing target parent (a symlink moves as itself)
-    _in_parent(os.path.dirname(dst), root, lambda: os.replace(src, dst), again=lambda: os.path.lexists(src))
-    fsync_dir(os.path.dirname(dst))
-    if os.path.dirname(src) != os.path.dirname(dst):
-        try:
-            fsync_dir(os.path.dirname(src))
-        except FileNotFoundError:
-            pass  # emptied by this move and removed meanwhile: the move itself is done
+def _move_sync(root: str, src: str, dst: str) -> None:
+    with _parent_of(root, src) as (src_dir, src_name):
+        os.stat(src_name, dir_fd=src_dir, follow_symlinks=False)  # a missing source is not a missing target parent
+
+        def move(dst_dir: int, dst_name: str) -> bool:
+            os.replace(src_name, dst_name, src_dir_fd=src_dir, dst_dir_fd=dst_dir)
+            _fsync_dir_at(dst_dir)
+            return os.path.samestat(os.fstat(src_dir), os.fstat(dst_dir))
+
+        def source_left() -> bool:
+            return _exists_at(src_dir, src_name)
+
+        if not _in_parent(root, dst, move, again=source_left):
+            _fsync_dir_at(src_dir)  # emptied by this move and removed meanwhile: an fd still syncs it
 
 
-def _unlink_sync(path: str) -> None:
+def _exists_at(dir_fd: int, name: str) -> bool:
     try:
-        os.unlink(path)
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _makedirs_sync(root: str, key: str) -> None:
+    """mkdir -p below the root; ``NotADirectoryError`` where a file or symlink is in the way."""
+    os.close(_open_dir(root, key.split("/") if key else [], create=True))
+
+
+def _unlink_sync(root: str, key: str) -> None:
+    try:
+        with _parent_of(root, key) as (dir_fd, name):
+            os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
         pass
 
 
-def _rmdir_sync(path: str) -> None:
-    for attempt in range(2):
-        try:
-            os.rmdir(path)
-        except FileNotFoundError:
-            return
-        except OSError as e:
-            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-            # Not empty: perhaps only because of temps dead uploads left there.
-            if attempt or not _temps.sweep(path):
-                return
-        else:
-            return
+def _rmdir_sync(root: str, key: str) -> None:
+    try:
+        with _parent_of(root, key) as (dir_fd, name):
+            for attempt in range(2):
+                try:
+                    os.rmdir(name, dir_fd=dir_fd)
+                    return
+                except OSError as e:
+                    if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                        raise
+                # Not empty: perhaps only because of temps dead uploads left there.
+                if attempt or not _sweep_dir(dir_fd, name, key):
+                    return
+    except FileNotFoundError:
+        pass
+
+
+def _sweep_dir(dir_fd: int, name: str, key: str) -> int:
+    """``_temps.sweep`` of the directory ``name`` (``key``) in the one open at ``dir_fd``."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    try:
+        return _temps.sweep(fd, key)
+    finally:
+        os.close(fd)

@@ -39,59 +39,60 @@ log = logging.getLogger(__name__)
 _CREATE_TRIES = 3
 
 
-def create_locked(directory: str, name_of: Callable[[], str], mode: int) -> tuple[str, int]:
-    """Create a new file ``directory/name_of()`` (O_RDWR, ``mode``) and hold
-    ``LOCK_SH`` on it; returns its path and fd.
+def create_locked(dir_fd: int, name_of: Callable[[], str], mode: int) -> tuple[str, int]:
+    """Create a new file ``name_of()`` in the directory open at ``dir_fd``
+    (O_RDWR, ``mode``) and hold ``LOCK_SH`` on it; returns its name and fd.
 
     O_RDWR: on NFS ``flock`` is a POSIX lock, and a shared one needs read
     access.  Raises ``OSError`` (``FileExistsError`` for a name in use).
     """
     for _ in range(_CREATE_TRIES):
-        path = os.path.join(directory, name_of())
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        name = name_of()
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode, dir_fd=dir_fd)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
-            if still_linked(path, fd):
-                return path, fd
+            if still_linked(dir_fd, name, fd):
+                return name, fd
         except BaseException:
             os.close(fd)
             raise
         os.close(fd)  # reaped before we locked it: nothing was written yet
-    raise OSError(errno.EAGAIN, f"upload temps in {directory} were removed as fast as they were made")
+    raise OSError(errno.EAGAIN, "upload temps were removed as fast as they were made")
 
 
-def still_linked(path: str, fd: int) -> bool:
-    """True if ``path`` still names the file open at ``fd``."""
+def still_linked(dir_fd: int, name: str, fd: int) -> bool:
+    """True if ``name`` in the directory open at ``dir_fd`` still names the file open at ``fd``."""
     try:
-        return os.path.samestat(os.stat(path, follow_symlinks=False), os.fstat(fd))
+        return os.path.samestat(os.stat(name, dir_fd=dir_fd, follow_symlinks=False), os.fstat(fd))
     except (FileNotFoundError, NotADirectoryError):
         return False
 
 
-def reap(path: str) -> bool:
-    """Remove the upload temp at ``path`` if no live process holds it; True if removed.
+def reap(dir_fd: int, name: str) -> bool:
+    """Remove the upload temp ``name`` (in the directory open at ``dir_fd``)
+    if no live process holds it; True if removed.
 
     Best effort: a temp this process may not open or remove stays (logged).
     """
     try:
-        return _reap(path)
+        return _reap(dir_fd, name)
     except OSError as e:
-        log.info("could not look at upload temp %s: %s", path, e.strerror or e)
+        log.info("could not look at upload temp %s: %s", name, e.strerror or e)
         return False
 
 
-def _reap(path: str) -> bool:
+def _reap(dir_fd: int, name: str) -> bool:
     try:
-        st = os.lstat(path)
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except (FileNotFoundError, NotADirectoryError):
         return False
     if not stat.S_ISREG(st.st_mode):
         # Never opened (a device's open has effects): a node temp is old or in use.
         if time.time() - st.st_ctime < STALE_NODE_TEMP_S:
             return False
-        return _unlink(path)
+        return _unlink(dir_fd, name)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except (FileNotFoundError, NotADirectoryError):
         return False
     try:
@@ -101,32 +102,37 @@ def _reap(path: str) -> bool:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False  # an upload (or a writer of its parts) is alive
-        if not still_linked(path, fd):
+        if not still_linked(dir_fd, name, fd):
             return False  # published or removed meanwhile: another file may have the name now
-        return _unlink(path)
+        return _unlink(dir_fd, name)
     finally:
         os.close(fd)  # also drops the lock
 
 
-def sweep(directory: str) -> int:
-    """Reap every upload temp in ``directory`` no live process holds; returns how many."""
+def sweep(dir_fd: int, what: str) -> int:
+    """Reap every upload temp in the directory open at ``dir_fd`` (named
+    ``what`` in the log) that no live process holds; returns how many."""
     try:
-        with os.scandir(directory) as entries:
-            names = [e.name for e in entries if e.name.startswith(UPLOAD_TEMP_PREFIX)]
+        listing = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            with os.scandir(listing) as entries:
+                names = [e.name for e in entries if e.name.startswith(UPLOAD_TEMP_PREFIX)]
+        finally:
+            os.close(listing)
     except (FileNotFoundError, NotADirectoryError):
         return 0
     except OSError as e:  # best effort, like reap
-        log.info("could not look for upload temps in %s: %s", directory, e.strerror or e)
+        log.info("could not look for upload temps in %s: %s", what, e.strerror or e)
         return 0
-    reaped = sum(reap(os.path.join(directory, name)) for name in names)
+    reaped = sum(reap(dir_fd, name) for name in names)
     if reaped:
-        log.info("removed %d upload temp file(s) in %s left by a process that died", reaped, directory)
+        log.info("removed %d upload temp file(s) in %s left by a process that died", reaped, what)
     return reaped
 
 
-def _unlink(path: str) -> bool:
+def _unlink(dir_fd: int, name: str) -> bool:
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
         return False
     return True
