@@ -68,6 +68,12 @@ class FileTooBig(AiturboError):
     errno = errno.EFBIG
 
 
+class NoDataAfter(AiturboError):
+    """lseek(SEEK_DATA / SEEK_HOLE) at or past the end of the file, or no data after the offset."""
+
+    errno = errno.ENXIO
+
+
 class OutOfRange(AiturboError):
     errno = errno.ERANGE
 

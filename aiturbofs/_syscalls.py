@@ -1,9 +1,11 @@
-"""mount(2) and umount2(2), which Python's os module lacks: the staging tmpfs, the FUSE session, the passthrough probe."""
+"""mount(2) and umount2(2), which Python's os module lacks: the staging tmpfs, the FUSE session, the passthrough
+probe; and the fallocate(2) mode bits."""
 
 import ctypes
 import os
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT = 0x1, 0x2, 0x4, 0x20
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE = 0x01, 0x02, 0x10
 _MNT_DETACH = 0x2
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -22,6 +22,7 @@ and by scripts/soak.py.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -37,6 +38,9 @@ MODES = [0o600, 0o640, 0o644, 0o755, 0o700]
 SIZE_MAX = 3 * CHUNK + 3 * MiB
 # Errors that mean the daemon is gone (a kill -9): the run stops there, it is not a finding.
 GONE = {errno.ENOTCONN, errno.ECONNABORTED, errno.ECONNREFUSED}
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE = 0x01, 0x02, 0x10
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
 
 def templates() -> list[bytes]:
@@ -87,6 +91,7 @@ class Worker:
         self.names: dict[str, Obj] = {}
         self.ops = 0
         self.bytes_written = 0
+        self.fallocate_refused = 0  # EOPNOTSUPP: the data path has no fallocate (pyfuse3)
         self.seen: dict[str, list] = {}  # name -> its states at the commit points of the operation in flight
 
     # ----------------------------------------------------------- helpers
@@ -231,6 +236,40 @@ class Worker:
         os.truncate(self.path(name), size)
         return [name]
 
+    def op_fallocate(self) -> list[str]:
+        """fallocate(2): punch a hole or zero a range (whole chunks often), or grow the file."""
+        name = self.existing()
+        if name is None or not self.names[name].data:
+            return []
+        obj = self.names[name]
+        size = len(obj.data)
+        r = self.rnd
+        at = r.randrange(0, size // CHUNK + 1) * CHUNK if r.random() < 0.5 else r.randrange(0, size)
+        length = r.choice([1, 4096, 300_000, CHUNK, 2 * CHUNK])
+        mode = r.choice([FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, FALLOC_FL_ZERO_RANGE,
+                         FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE, 0])
+        end = at + length if mode & FALLOC_FL_KEEP_SIZE else min(at + length, SIZE_MAX)
+        if end <= at:
+            return []
+        fd = os.open(self.path(name), os.O_RDWR)
+        try:
+            if _libc.fallocate(fd, mode, at, end - at) != 0:
+                err = ctypes.get_errno()
+                if err != errno.EOPNOTSUPP:
+                    raise OSError(err, f"fallocate mode {mode:#x} of {end - at} bytes at {at}: {os.strerror(err)}")
+                self.fallocate_refused += 1
+            else:
+                if mode & (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE):
+                    zeroed = min(end, size)
+                    obj.data[at:zeroed] = bytes(max(0, zeroed - at))
+                if not mode & FALLOC_FL_KEEP_SIZE and end > size:
+                    obj.data.extend(bytes(end - size))
+            if r.random() < 0.3:
+                self.check(name, fd)
+        finally:
+            self._close(fd, name)
+        return [name]
+
     def op_mmap(self) -> list[str]:
         """A write through a shared mapping (no WRITE request at all on some paths)."""
         name = self.existing()
@@ -351,7 +390,7 @@ class Worker:
         return []
 
     OPS = [("create", 6), ("pwrite", 6), ("append", 2), ("truncate", 2), ("mmap", 2), ("rename", 2),
-           ("link", 1), ("unlink_open", 1), ("chmod", 2), ("copy", 2), ("check", 3)]
+           ("link", 1), ("unlink_open", 1), ("chmod", 2), ("copy", 2), ("check", 3), ("fallocate", 2)]
 
     def run(self, count: int) -> dict:
         """``count`` operations; the oracle, and the before/after of an operation the daemon's end cut."""
@@ -376,7 +415,8 @@ class Worker:
                         maybe[n] = [before[n], *self.seen.get(n, [])]
                 break
         oracle = {n: self.state(n) for n in NAMES if n not in maybe}
-        return {"oracle": oracle, "maybe": maybe, "ops": self.ops + 1, "bytes": self.bytes_written}
+        return {"oracle": oracle, "maybe": maybe, "ops": self.ops + 1, "bytes": self.bytes_written,
+                "fallocate_refused": self.fallocate_refused}
 
 
 def main(argv: list[str]) -> int:

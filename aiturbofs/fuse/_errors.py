@@ -20,7 +20,7 @@ from .._errors import AiturboError
 log = logging.getLogger("aiturbofs.fuse")
 
 # errno values that are routine answers (a lookup miss), not worth a log line.
-_QUIET = {errno.ENOENT, errno.ENODATA, errno.EEXIST, errno.ENOTEMPTY, errno.EOPNOTSUPP}
+_QUIET = {errno.ENOENT, errno.ENODATA, errno.EEXIST, errno.ENOTEMPTY, errno.EOPNOTSUPP, errno.ENXIO}
 
 
 def fuse_handler(fn):

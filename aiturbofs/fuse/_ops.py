@@ -239,6 +239,16 @@ class Operations(pyfuse3.Operations):
         return await self.fs.write(fh, off, buf)
 
     @fuse_handler
+    async def fallocate(self, fh, off, length, mode):
+        """FUSE_FALLOCATE (the kernel session only: pyfuse3 registers no handler for it)."""
+        await self.fs.fallocate(fh, off, length, mode)
+
+    @fuse_handler
+    async def lseek(self, fh, off, whence):
+        """FUSE_LSEEK, SEEK_DATA and SEEK_HOLE (the kernel session only, like fallocate)."""
+        return await self.fs.lseek(fh, off, whence)
+
+    @fuse_handler
     async def flush(self, fh):
         await self.fs.flush(fh)
 

@@ -162,7 +162,7 @@ class KernelSession:
             _abi.GETXATTR: self._getxattr, _abi.LISTXATTR: self._listxattr, _abi.REMOVEXATTR: self._removexattr,
             _abi.FLUSH: self._flush, _abi.OPENDIR: self._opendir, _abi.READDIRPLUS: self._readdirplus,
             _abi.RELEASEDIR: self._releasedir, _abi.FSYNCDIR: self._fsyncdir, _abi.CREATE: self._create,
-            _abi.DESTROY: self._destroy,
+            _abi.DESTROY: self._destroy, _abi.FALLOCATE: self._fallocate, _abi.LSEEK: self._lseek,
         }
 
     # ------------------------------------------------------------ mount / unmount
@@ -427,6 +427,15 @@ class KernelSession:
         attr.st_ctime_ns = s.ctime * 1_000_000_000 + s.ctimensec
         fh = s.fh if s.valid & _abi.FATTR_FH else None
         return attr_out(await self.ops.setattr(head.nodeid, attr, SetattrFields(s.valid), fh, self._ctx(head)))
+
+    async def _fallocate(self, head, body):
+        f = _abi.FALLOCATE_IN.unpack(body)
+        await self.ops.fallocate(f.fh, f.offset, f.length, f.mode)
+        return b""
+
+    async def _lseek(self, head, body):
+        s = _abi.LSEEK_IN.unpack(body)
+        return _abi.LSEEK_OUT.pack(offset=await self.ops.lseek(s.fh, s.offset, s.whence))
 
     async def _readlink(self, head, body):
         return await self.ops.readlink(head.nodeid, self._ctx(head))

@@ -44,12 +44,19 @@ from typing import Any
 
 from .. import chunk
 from .._limits import BACKING_FDS_OPEN_MAX, CHUNK_BITS, CHUNK_BYTES, HASH_BYTES
-from .._syscalls import MS_NODEV, MS_NOSUID, MS_REMOUNT, is_mount_point, mount, unmount_lazy
+from .._syscalls import (
+    FALLOC_FL_KEEP_SIZE,
+    FALLOC_FL_PUNCH_HOLE,
+    MS_NODEV,
+    MS_NOSUID,
+    MS_REMOUNT,
+    is_mount_point,
+    mount,
+    unmount_lazy,
+)
 
 log = logging.getLogger(__name__)
 
-_FALLOC_FL_KEEP_SIZE = 0x01
-_FALLOC_FL_PUNCH_HOLE = 0x02
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
@@ -82,7 +89,7 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
     """Free ``[offset, offset + length)`` of ``fd``: it reads as zeros afterwards."""
     if length <= 0:
         return
-    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+    if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
         e = ctypes.get_errno()
         if e not in (errno.EOPNOTSUPP, errno.ENOSYS):
             raise OSError(e, os.strerror(e))

@@ -19,6 +19,7 @@ the names of their chunks (``_objects``): only from the object version
 imported, hashed when fetched, and given a manifest once whole.
 """
 
+import errno
 import logging
 import os
 import stat
@@ -38,9 +39,11 @@ from .._errors import (
     IsADirectory,
     NameTooLong,
     NoAttribute,
+    NoDataAfter,
     NoSpace,
     NotFound,
     NotPermitted,
+    NotSupported,
     TransientBackendError,
 )
 from .._limits import (
@@ -58,11 +61,12 @@ from .._limits import (
     SEAL_QUEUE_MAX,
     SYMLINK_TARGET_BYTES_MAX,
 )
+from .._syscalls import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE
 from .._threads import background
 from ..cluster import ClusterPort, ReadRequest, SingleNode, StageRequest
 from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED, InodeRow
 from ..persist import Persister
-from ..staging import BackingArea, BackingFile, Pins, Range, StagingPool, content_key_of, room
+from ..staging import BackingArea, BackingFile, Pins, Range, StagingPool, content_key_of, punch_hole, room
 from . import _xattr
 from ._content import FileContent, Slot, VersionPins
 from ._fetch import ChunkFetcher
@@ -988,6 +992,98 @@ class Filesystem:
         content.seq += 1
         node.row.mtime_ns = _now_ns()
         return length
+
+    async def fallocate(self, fh: int, offset: int, length: int, mode: int) -> None:
+        """fallocate(2) modes 0, KEEP_SIZE, PUNCH_HOLE|KEEP_SIZE and ZERO_RANGE (with or without
+        KEEP_SIZE); others (COLLAPSE_RANGE, INSERT_RANGE, UNSHARE_RANGE) are EOPNOTSUPP.
+
+        Nothing is reserved: staged bytes live in DRAM (or on the spill
+        disk) and the backend allocates when it stores them, so an
+        allocation only grows the size (without KEEP_SIZE) like a truncate.
+        A punched or zeroed range reads as zeros: whole chunks become holes
+        (no memory, one zero chunk in the backend), the ends of the range
+        are written with zeros.
+        """
+        zero = mode & (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE)
+        if (mode & ~(FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE)
+                or zero == FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE
+                or (mode & FALLOC_FL_PUNCH_HOLE and not mode & FALLOC_FL_KEEP_SIZE)):
+            raise NotSupported(f"fallocate mode {mode:#x}: only 0, KEEP_SIZE, PUNCH_HOLE|KEEP_SIZE and "
+                               "ZERO_RANGE are supported")
+        if offset < 0 or length <= 0:
+            raise InvalidArgument(f"fallocate of {length} bytes at {offset}")
+        node = self._handles[fh].inode
+        content = await self._content(node)
+        end = offset + length
+        if zero:
+            await self._zero_range(fh, node, content, offset, min(end, self._size_of(node, content)))
+        if not mode & FALLOC_FL_KEEP_SIZE and end > self._size_of(node, content):
+            await self.setattr(node.ino, fh=fh, size=end)
+
+    async def _zero_range(self, fh: int, node: Inode, content: FileContent, offset: int, end: int) -> None:
+        """Make ``[offset, end)`` (inside the file) read as zeros."""
+        if offset >= end:
+            return
+        if being_written(node):
+            # The kernel writes the backing file itself, which holds every chunk while it does:
+            # punched there, the change is the kernel's kind, taken in by the next absorb.
+            assert content.backing is not None
+            punch_hole(content.backing.fd(), offset, end - offset)  # (metadata only: no thread)
+            return
+        for index, start, count, _ in chunk.spans(offset, end - offset):
+            if count < chunk.chunk_length(content.size, index):
+                if content.slot_at(index) is not None:  # (a hole reads as zeros already)
+                    await self.write(fh, index * CHUNK_BYTES + start, bytes(count))
+                continue
+            async with content.lock:  # after a slot replacement in flight, not under it
+                slot = content.slot_at(index)
+                if slot is None:
+                    continue
+                content.slots[index] = None  # a hole
+                self._free_slot(slot, node, content=content, index=index)
+                content.seq += 1
+                if content.backing is not None and content.backing.kernel_opens:
+                    # The kernel reads this range as the file: the pool's entry there moves out first.
+                    rng = content.range(index)
+                    if rng.entry is not None:
+                        charge, _, _ = await self.pool.take_range(rng)
+                        self.pool.unreserve(charge)
+                    rng.punch()
+        node.row.mtime_ns = _now_ns()
+
+    async def lseek(self, fh: int, offset: int, whence: int) -> int:
+        """lseek(2) SEEK_DATA / SEEK_HOLE: holes by chunk (a hole may read as data, never the reverse).
+
+        Raises ``NoDataAfter`` (ENXIO) at or past the end, or for SEEK_DATA
+        with no data after ``offset``.
+        """
+        if whence not in (os.SEEK_DATA, os.SEEK_HOLE):
+            raise InvalidArgument(f"lseek whence {whence}: the kernel answers it itself")
+        node = self._handles[fh].inode
+        content = await self._content(node)
+        size = self._size_of(node, content)
+        if offset < 0 or offset >= size:
+            raise NoDataAfter(f"offset {offset} is not below the size {size}")
+        if content.backing is not None and content.backing.kernel_opens:
+            # The kernel serves the file from its backing file, which holds every chunk then.
+            try:
+                return os.lseek(content.backing.fd(), offset, whence)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:
+                    raise NoDataAfter(f"no data after offset {offset}") from None
+                raise
+        want_data = whence == os.SEEK_DATA
+        for index in range(offset >> CHUNK_BITS, chunk.chunk_count(size)):
+            if (content.slot_at(index) is not None) == want_data:
+                return max(offset, index * CHUNK_BYTES)
+        if want_data:
+            raise NoDataAfter(f"no data after offset {offset}")
+        return size
+
+    def _size_of(self, node: Inode, content: FileContent) -> int:
+        """The file's size, with what the kernel wrote and no absorb took in yet."""
+        kernel = kernel_attrs(node)
+        return max(content.size, kernel[0]) if kernel is not None else content.size
 
     async def _writable_slot(self, node: Inode, content: FileContent, index: int, end: int) -> Slot:
         """An open slot at ``index`` with room for ``end`` bytes (may wait for memory).
