@@ -10,6 +10,7 @@ import mmap
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -205,6 +206,36 @@ def test_a_setattr_racing_the_release_of_a_deduplicated_file_keeps_its_bytes(pmn
     for i in range(20):
         assert os.getxattr(pmnt.path(f"f{i}"), "user.aiturbo.state") == b"durable", i
         assert backend_bytes(tmp_path, f"f{i}") == data
+
+
+def test_a_utime_beside_a_passthrough_writer_orders_with_its_writes(pmnt, tmp_path):
+    """A utime while the kernel writes the file stamps the backing file (no chunk hashed): writes
+    before it carry its mtime, a write after it moves the mtime again, and the last one stands in
+    the mount, after close, and in the backend."""
+    t1, t2 = 1_500_000_000_111_111_111, 1_600_000_000_222_222_222
+    data = bytearray(os.urandom(3 * MiB))
+    fd = os.open(pmnt.path("f"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+        os.utime(fd, ns=(t1, t1))
+        assert os.fstat(fd).st_mtime_ns == t1 and os.stat(pmnt.path("f")).st_mtime_ns == t1
+        before = time.time_ns()
+        os.pwrite(fd, b"after", 100)
+        data[100:105] = b"after"
+        assert os.fstat(fd).st_mtime_ns >= before - 10**9  # a write after the utime moves it
+        os.pwrite(fd, b"before t2", 2 * MiB)
+        data[2 * MiB: 2 * MiB + 9] = b"before t2"
+        os.utime(fd, ns=(t2, t2))
+    finally:
+        os.close(fd)
+    assert fuse_counts(pmnt)["write"] == 0  # the kernel wrote every byte: the path under test
+    assert os.stat(pmnt.path("f")).st_mtime_ns == t2
+    with open(pmnt.path("f"), "rb") as f:
+        assert f.read() == data
+    wait_durable(pmnt)
+    assert os.stat(pmnt.path("f")).st_mtime_ns == t2
+    assert backend_bytes(tmp_path, "f") == data
+    assert os.stat(tmp_path / "backend" / "f").st_mtime_ns == t2
 
 
 def test_pyfuse3_and_the_kernel_session_without_passthrough_serve_data_through_requests(make_mount):

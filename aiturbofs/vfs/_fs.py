@@ -72,7 +72,15 @@ from ._content import FileContent, Slot, VersionPins
 from ._fetch import ChunkFetcher
 from ._health import BackendHealth
 from ._importer import Importer
-from ._kernel_io import absorb, being_written, close_kernel, kernel_attrs, open_kernel, run_charger
+from ._kernel_io import (
+    absorb,
+    being_written,
+    close_kernel,
+    kernel_attrs,
+    open_kernel,
+    run_charger,
+    stamp_kernel_mtime,
+)
 from ._objects import ObjectChunks, external_key, external_keys
 from ._options import VfsOptions
 
@@ -427,11 +435,13 @@ class Filesystem:
         ctime_ns: int | None = None,
     ) -> InodeRow:
         node = await self._inode(ino)
-        if being_written(node) and (size is not None or mtime_ns is not None):
-            # What the kernel wrote comes before this change: a truncate cuts it, a utime stamps it (a
-            # later absorb would take those writes for new ones and set mtime to then).  A chmod, chown
-            # or atime change orders with no byte, so it hashes none (0.35 s on an open 1 GiB file).
+        if being_written(node) and size is not None:
+            # What the kernel wrote comes before the cut.  A chmod, chown or atime change orders with
+            # no byte, so it hashes none (0.35 s on an open 1 GiB file), and a utime stamps the backing
+            # file instead (``stamp_kernel_mtime``).
             await absorb(self, node)
+        elif being_written(node) and mtime_ns is not None:
+            stamp_kernel_mtime(node, mtime_ns)
         now = _now_ns()
         fields: dict = {}
         if size is not None:

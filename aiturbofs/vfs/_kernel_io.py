@@ -304,6 +304,19 @@ def kernel_attrs(node: Inode) -> tuple[int, int | None] | None:
     return st.st_size, st.st_mtime_ns if _stamp(st) != content.absorbed else None
 
 
+def stamp_kernel_mtime(node: Inode, mtime_ns: int) -> None:
+    """A utime of a file the kernel is writing: its backing file takes the mtime, no chunk is hashed.
+
+    The kernel's writes before it then carry it (the next absorb sets the
+    file's mtime from the backing file's), and a write after it moves it
+    again, as on a local filesystem.
+    """
+    content = node.file
+    assert content.backing is not None  # (being written)
+    fd = content.backing.fd()
+    os.utime(fd, ns=(os.fstat(fd).st_atime_ns, mtime_ns))
+
+
 async def absorb(fs: Filesystem, node: Inode, *, verify: bool = False) -> None:
     """Take what the kernel wrote into the backing file into the file's slots (see module doc).
 
