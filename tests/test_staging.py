@@ -649,3 +649,41 @@ def test_a_restart_finds_the_backing_files_on_disk_and_the_spill_store_ignores_t
     assert os.listdir(disk) == [] and not again.found_on_disk
     again.remove_if_empty()
     assert not os.path.exists(disk)
+
+
+def test_a_chunk_dropped_while_it_is_spilled_leaves_the_pool_whole(tmp_path):
+    # The spiller copies a pinned chunk of a range and waits for the spill write; meanwhile a
+    # passthrough writer changes the range (its entry is disowned there) and the slot that pinned it
+    # lets go: the entry leaves the pool.  When the write returned, the spiller filed the dropped
+    # entry again and deleted its key from the pool: a KeyError that took the daemon down (CI,
+    # test_kill9_with_spill_dir_partial_rewrite_of_durable_file), or, had the chunk arrived again
+    # meanwhile, the newer entry of that key.
+    async def main():
+        area = BackingArea(str(tmp_path / "staging"))
+        spill = SpillStore(str(tmp_path / "spill"))
+        pool = StagingPool(8 * CHUNK_BYTES, spill, eager_spill=True)
+        data = bytes([9]) * CHUNK_BYTES
+        rng = area.current(5).range(0)
+        key = await _seal_in(pool, rng, data)
+        writing, go_on = trio.Event(), trio.Event()
+        real_write = spill.write
+
+        async def slow_write(k, view):
+            writing.set()
+            await go_on.wait()
+            await real_write(k, view)
+
+        spill.write = slow_write  # type: ignore[method-assign]
+        async with trio.open_nursery() as n:
+            n.start_soon(pool._spill_entry, rng.entry)
+            await writing.wait()
+            pool.unreserve(pool.disown_range(rng))  # the kernel wrote the range
+            pool.unpin(key)  # its slot let go: the entry leaves the pool
+            again = await _sealed(pool, 9)  # and the same chunk arrives again, in a buffer
+            assert again == key
+            n.start_soon(pool._spill_entry, pool._entries[key])  # which spills it too
+            go_on.set()
+        assert pool.pinned(key) and bytes(pool.view(key)) == data
+        assert key in spill and await spill.read(key) == data  # the newer entry's spill copy stays
+
+    run(main)

@@ -596,16 +596,26 @@ class StagingPool:
         return True
 
     def _unindex(self, e: Entry) -> None:
-        self._evictable.pop(e.key, None)
-        self._unspilled.pop(e.key, None)
-        if self._on_disk.pop(e.key, None) is not None:
+        for index in (self._evictable, self._unspilled):
+            if index.get(e.key) is e:
+                del index[e.key]
+        if self._on_disk.get(e.key) is e:
+            del self._on_disk[e.key]
             self._on_disk_bytes -= e.length
-        if self._on_disk_pinned.pop(e.key, None) is not None:
+        if self._on_disk_pinned.get(e.key) is e:
+            del self._on_disk_pinned[e.key]
             self._on_disk_pinned_bytes -= e.length
 
     def _place(self, e: Entry) -> None:
-        """File ``e`` in the right index after any change of its state."""
+        """File ``e`` in the right index after any change of its state.
+
+        An entry that left the pool while a task held it (a spill write in
+        flight when the kernel changed its range and its last pin went) is
+        not filed again, and never takes with it a newer entry of its key.
+        """
         self._unindex(e)
+        if self._entries.get(e.key) is not e:
+            return
         if not e.resident:
             if e.pins == 0 and not e.spilled:
                 del self._entries[e.key]
@@ -710,8 +720,8 @@ class StagingPool:
             self._let_go(e)
         if e.pins:
             e.spilled = True
-        else:
-            self.spill.discard(e.key)  # became durable while we wrote it
+        elif not self.pinned(e.key):  # (a newer entry of the key, pinned, may count on the file)
+            self.spill.discard(e.key)  # became durable while we wrote it, or left the pool
         self._place(e)
         return True
 
