@@ -340,9 +340,10 @@ def test_wait_names_broken_file_and_status_reports(s3m):
     put(m.path("bad.bin"), bad)
     st = status(m)
     assert st["ok"] and st["pool"]["budget_bytes"] > 0
-    # in DRAM, or (written by the kernel) on disk
-    assert st["pool"]["used_bytes"] + st["pool"]["disk_dirty_bytes"] >= len(bad)
-    assert st["persist"]["queue"] >= 1 or state(m.path("bad.bin")) == "broken"
+    if state(m.path("bad.bin")) != "broken":  # (read after: the status is from before the 1 s window ran out)
+        # in DRAM, or (written by the kernel) on disk; a broken file's chunks are let go
+        assert st["pool"]["used_bytes"] + st["pool"]["disk_dirty_bytes"] >= len(bad)
+        assert st["persist"]["queue"] >= 1
     r = aiturbo("wait", m.mountpoint, check=False, timeout=WAIT_S)
     assert r.returncode == 1, r.stderr
     assert "broken: " + m.path("bad.bin") in r.stderr
