@@ -643,7 +643,7 @@ def _temp_files(root: str) -> list[str]:
 
 
 _UPLOAD_AND_HANG = """
-import sys, trio
+import json, sys, trio
 from aiturbofs.backend import open_backend
 async def main(url, options, key):
     backend = await open_backend(url, options)
@@ -651,13 +651,13 @@ async def main(url, options, key):
     await upload.write_part(1, b"5678")
     print("writing", flush=True)
     await trio.sleep_forever()
-trio.run(main, sys.argv[1], eval(sys.argv[2]), sys.argv[3])
+trio.run(main, sys.argv[1], json.loads(sys.argv[2]), sys.argv[3])
 """
 
 
 def _kill_mid_upload(target: Target, key: str) -> None:
     """An uploader (a process of its own) killed with SIGKILL while it writes ``key``."""
-    proc = subprocess.Popen([sys.executable, "-c", _UPLOAD_AND_HANG, target.url, repr(target.options), key],
+    proc = subprocess.Popen([sys.executable, "-c", _UPLOAD_AND_HANG, target.url, json.dumps(target.options), key],
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "writing\n"
