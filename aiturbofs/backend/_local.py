@@ -473,14 +473,9 @@ def _parent_of(root: str, key: str, *, create: bool = False) -> Iterator[tuple[i
         os.close(fd)
 
 
-@contextmanager
-def _dir_of(root: str, key: str) -> Iterator[int]:
-    """The O_PATH fd of the directory ``key`` (``''``: the root)."""
-    fd = _open_dir(root, key.split("/") if key else [])
-    try:
-        yield fd
-    finally:
-        os.close(fd)
+def _names(key: str) -> list[str]:
+    """The names of the directory ``key`` on the way from the root (none for the root, ``''``)."""
+    return key.split("/") if key else []
 
 
 def _fsync_dir_at(dir_fd: int) -> None:
@@ -494,7 +489,7 @@ def _fsync_dir_at(dir_fd: int) -> None:
 
 def _list_sync(root: str, key: str) -> list[ObjectInfo]:
     try:
-        dir_fd = _open_dir(root, key.split("/") if key else [])
+        dir_fd = _open_dir(root, _names(key))
     except (FileNotFoundError, NotADirectoryError):
         return []
     try:
@@ -869,7 +864,7 @@ def _exists_at(dir_fd: int, name: str) -> bool:
 
 def _makedirs_sync(root: str, key: str) -> None:
     """mkdir -p below the root; ``NotADirectoryError`` where a file or symlink is in the way."""
-    os.close(_open_dir(root, key.split("/") if key else [], create=True))
+    os.close(_open_dir(root, _names(key), create=True))
 
 
 def _unlink_sync(root: str, key: str) -> None:

@@ -873,11 +873,17 @@ class Filesystem:
         assert backing is not None
         first = size >> CHUNK_BITS
         for rng in backing.ranges():
-            if rng.index >= first and rng.entry is not None:
-                charge, _, _ = await self.pool.take_range(rng)
-                self.pool.unreserve(charge)
+            if rng.index >= first:
+                await self._take_out(rng)
         os.ftruncate(backing.fd(), size)
         content.absorbed = None
+
+    async def _take_out(self, rng: Range) -> None:
+        """The pool's entry in ``rng`` (if any) moves out before the range is cut or punched under the
+        kernel (``take_range``: a version not yet durable keeps a copy); its charge is given back."""
+        if rng.entry is not None:
+            charge, _, _ = await self.pool.take_range(rng)
+            self.pool.unreserve(charge)
 
     async def _join_read_round(self, node: Inode) -> None:
         """A file opened for reading that other nodes may read too: the nodes reading it share the storage fetches.
@@ -1025,9 +1031,10 @@ class Filesystem:
         node = self._handles[fh].inode
         content = await self._content(node)
         end = offset + length
+        size = self._size_of(node, content)
         if zero:
-            await self._zero_range(fh, node, content, offset, min(end, self._size_of(node, content)))
-        if not mode & FALLOC_FL_KEEP_SIZE and end > self._size_of(node, content):
+            await self._zero_range(fh, node, content, offset, min(end, size))
+        if not mode & FALLOC_FL_KEEP_SIZE and end > size:
             await self.setattr(node.ino, fh=fh, size=end)
 
     async def _zero_range(self, fh: int, node: Inode, content: FileContent, offset: int, end: int) -> None:
@@ -1055,9 +1062,7 @@ class Filesystem:
                 if content.backing is not None and content.backing.kernel_opens:
                     # The kernel reads this range as the file: the pool's entry there moves out first.
                     rng = content.range(index)
-                    if rng.entry is not None:
-                        charge, _, _ = await self.pool.take_range(rng)
-                        self.pool.unreserve(charge)
+                    await self._take_out(rng)
                     rng.punch()
         node.row.mtime_ns = _now_ns()
 
