@@ -1,94 +1,70 @@
-"""The import direction of docs/design.md's layers: imports point down only."""
+"""The layers of docs/design.md, as the import-linter contracts in pyproject.toml state them.
 
-import ast
+CI runs ``lint-imports`` too; these tests keep the rule in the suite a developer
+runs, and check that the contracts can fail.
+"""
+
 import pathlib
+import shutil
+import subprocess
+import sys
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "aiturbofs"
-
-# rank: a module may import only packages of a strictly lower rank (or its own).
-RANK = {
-    "cli": 7, "node": 7,
-    "fuse": 6,
-    "vfs": 5, "controller": 5,
-    "persist": 4.7,
-    "cluster": 4.5,
-    "fabric": 4,
-    "staging": 3,
-    "planner": 2,
-    "chunk": 1, "meta": 1, "backend": 1,
-    "_limits": 0, "_errors": 0, "_syscalls": 0, "_threads": 0.5, "_nursery": 0.5,
-}
-ALLOWED_SAME_RANK = {("cli", "node")}  # the CLI is the node's front door
+ROOT = PKG.parent
 
 
-def _layer_of(path: pathlib.Path) -> str:
-    rel = path.relative_to(PKG)
-    return rel.parts[0].removesuffix(".py")
+def _lint_imports(root: pathlib.Path) -> subprocess.CompletedProcess:
+    """``lint-imports`` on the tree at ``root`` (its pyproject.toml and its aiturbofs package)."""
+    exe = pathlib.Path(sys.executable).with_name("lint-imports")
+    return subprocess.run([str(exe), "--no-cache", "--no-logo", "--config", str(root / "pyproject.toml")],
+                          cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=120)
 
 
-def _imported_layers(path: pathlib.Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    layers = set()
-    depth_of_pkg = len(path.relative_to(PKG).parts) - 1  # 0 for aiturbofs/x.py
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:  # relative import
-                up = node.level - 1
-                if up < depth_of_pkg:
-                    continue  # inside the same layer package
-                if node.module:
-                    layers.add(node.module.split(".")[0])
-                else:
-                    layers.update(a.name for a in node.names)
-            elif node.module and node.module.startswith("aiturbofs."):
-                layers.add(node.module.split(".")[1])
-        elif isinstance(node, ast.Import):
-            for a in node.names:
-                if a.name.startswith("aiturbofs."):
-                    layers.add(a.name.split(".")[1])
-    return layers
+def test_the_import_contracts_hold():
+    run = _lint_imports(ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "0 broken" in run.stdout, run.stdout
 
 
-def test_every_module_belongs_to_a_known_layer():
-    for path in PKG.rglob("*.py"):
-        if path.name == "__init__.py" and path.parent == PKG:
-            continue
-        assert _layer_of(path) in RANK, f"{path} is in no layer of docs/design.md"
+def _copy_of_the_tree(tmp_path: pathlib.Path) -> pathlib.Path:
+    root = tmp_path / "tree"
+    shutil.copytree(PKG, root / "aiturbofs", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", root)
+    return root
 
 
-def test_imports_point_down():
-    violations = []
-    for path in PKG.rglob("*.py"):
-        if path.name == "__init__.py" and path.parent == PKG:
-            continue
-        layer = _layer_of(path)
-        for target in _imported_layers(path):
-            if target == layer or target not in RANK:
-                continue
-            if RANK[target] < RANK[layer] or (layer, target) in ALLOWED_SAME_RANK:
-                continue
-            violations.append(f"{path.relative_to(PKG)} ({layer}) imports {target}")
-    assert not violations, "layer violations:\n" + "\n".join(violations)
+def test_an_import_up_the_layers_breaks_a_contract(tmp_path):
+    root = _copy_of_the_tree(tmp_path)
+    (root / "aiturbofs" / "meta" / "_probe.py").write_text("from ..vfs import Filesystem  # noqa: F401\n")
+    run = _lint_imports(root)
+    assert run.returncode != 0
+    assert "aiturbofs.meta is not allowed to import aiturbofs.vfs" in run.stdout, run.stdout
 
 
-def test_only_fuse_imports_pyfuse3():
-    offenders = []
-    for path in PKG.rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        if "pyfuse3" in names and _layer_of(path) not in ("fuse", "node"):
-            offenders.append(str(path.relative_to(PKG)))
-    assert not offenders, f"pyfuse3 imported outside fuse/node: {offenders}"
+def test_vfs_and_controller_never_import_each_other(tmp_path):
+    root = _copy_of_the_tree(tmp_path)
+    (root / "aiturbofs" / "controller" / "_probe.py").write_text("from .. import vfs  # noqa: F401\n")
+    run = _lint_imports(root)
+    assert run.returncode != 0
+    assert "aiturbofs.controller is not allowed to import aiturbofs.vfs" in run.stdout, run.stdout
 
 
-def test_checker_catches_a_violation(tmp_path):
-    bad = PKG / "meta" / "_tmp_layer_probe.py"
-    bad.write_text("from ..vfs import Filesystem\n")
-    try:
-        assert "vfs" in _imported_layers(bad)
-    finally:
-        bad.unlink()
+def test_pyfuse3_below_the_fuse_edge_breaks_a_contract(tmp_path):
+    root = _copy_of_the_tree(tmp_path)
+    (root / "aiturbofs" / "vfs" / "_probe.py").write_text("import pyfuse3  # noqa: F401\n")
+    run = _lint_imports(root)
+    assert run.returncode != 0
+    assert "aiturbofs.vfs is not allowed to import pyfuse3" in run.stdout, run.stdout
+
+
+def test_a_package_in_no_layer_breaks_a_contract(tmp_path):
+    root = _copy_of_the_tree(tmp_path)
+    (root / "aiturbofs" / "newlayer").mkdir()
+    (root / "aiturbofs" / "newlayer" / "__init__.py").write_text("")
+    run = _lint_imports(root)
+    assert run.returncode != 0
+    assert "aiturbofs.newlayer" in run.stdout, run.stdout
 
 
 def test_the_layers_above_the_cluster_talk_to_one_port():

@@ -9,9 +9,13 @@ share chunks upload each unique chunk once and copy the rest.
 import collections
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .. import planner
 from .._limits import GROUP_CHUNKS_TRACKED_MAX, HASH_BYTES
+
+if TYPE_CHECKING:
+    from ._rounds import RoundKeeper
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +41,10 @@ class EmbeddedController:
         self.groups: dict[str, GroupStats] = collections.defaultdict(GroupStats)
         self.members = {node: spec or (_LOCAL_BW, _LOCAL_BW, _LOCAL_BW, 0)}
         self._keeper_args = (meta, backend_bw, round_options)
-        self._rounds = None
+        self._rounds: RoundKeeper | None = None
 
     @property
-    def rounds(self):
+    def rounds(self) -> "RoundKeeper":
         """The ``RoundKeeper``, made (and the planner imported) on first use."""
         if self._rounds is None:
             from ._rounds import RoundKeeper
