@@ -90,9 +90,9 @@ def test_a_stale_row_read_during_a_commit_is_not_taken(tmp_path):
                 handle, _ = await fs.open(ino, os.O_WRONLY)
                 await fs.write(handle.fh, 0, b"two")
                 await fs.flush(handle.fh)  # ... and version 2 is committed meanwhile
-                committed = fs._inodes[ino].row.version
+                committed = fs.inodes.get(ino).row.version
                 gate.open()
-            row = fs._inodes[ino].row
+            row = fs.inodes.get(ino).row
             assert row.version == committed and row.state != STATE_DURABLE
             await fs.release(handle.fh)
             await fs.wait_durable(ino)
@@ -120,7 +120,7 @@ def test_open_does_not_drop_the_bytes_of_a_writer_that_opened_meanwhile(tmp_path
                 await fs.write(writer.fh, 0, b"longer bytes")
                 gate.open()
             fs.cluster = alone
-            assert fs._inodes[ino].content is writer.inode.content
+            assert fs.inodes.get(ino).content is writer.inode.content
             got = await fs.read(writer.fh, 0, 100)
             assert bytes(got) == b"longer bytes"
 

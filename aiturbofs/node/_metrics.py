@@ -86,7 +86,7 @@ class NodeCollector:
     def _persist(self):
         p = self.fs.persister
         queued = p.queued()
-        sizes = [node.row.size for ino in queued if (node := self.fs._cached(ino)) is not None]
+        sizes = [node.row.size for ino in queued if (node := self.fs.inodes.get(ino)) is not None]
         yield _gauge("aiturbo_persist_queue_files", "Files queued or being persisted to the backend", len(queued))
         yield _gauge("aiturbo_persist_queue_bytes", "Sizes of the queued files this daemon holds in memory", sum(sizes))
         yield _gauge("aiturbo_backend_available", "1 while the backend answers; 0 while it is unavailable (writes are "

@@ -3,22 +3,61 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
+from ..backend import Backend
 from ..cluster import ClusterPort
+from ..meta import InodeRow, MetaStore
+from ..staging import BackingArea, BackingFile, StagingPool
+
+
+class ChunkReads(Protocol):
+    """The read side's fetch, for chunks the pool no longer has and for ``verify``."""
+
+    async def previous(self, row: InodeRow, index: int, key: bytes, length: int) -> bytes:
+        """A chunk of ``row``'s version: from a peer's pool or the backend, verified against ``key``."""
+        ...
+
+    async def read_range(self, key: str, offset: int, length: int, *, if_etag: str | None = None) -> bytes:
+        """``Backend.read_range``, with a reader's retries of transient errors."""
+        ...
+
+
+class Health(Protocol):
+    """Whether the backend answers."""
+
+    def mark_up(self) -> None:
+        """A request got through: the backend answers."""
+
+
+class PersistOptions(Protocol):
+    """The options the persister reads."""
+
+    @property
+    def persist_retry_window_s(self) -> float: ...
+
+    @property
+    def full_backend_wait_s(self) -> float: ...
 
 
 class PersistHost(Protocol):
     """The VFS as the persister sees it (``Filesystem`` implements it)."""
 
-    meta: Any  # the metadata engine
-    backend: Any
-    pool: Any  # the StagingPool
-    staging: Any  # the BackingArea
+    meta: MetaStore
+    backend: Backend
+    pool: StagingPool
+    staging: BackingArea
     cluster: ClusterPort
-    fetcher: Any  # the read side's ChunkFetcher: ``previous`` (a chunk the pool lost), ``read_range``
-    health: Any  # BackendHealth: ``mark_up`` when a file got through
-    options: Any  # VfsOptions: persist_retry_window_s, full_backend_wait_s
+
+    # read-only: the filesystem's own are wider types than these
+    @property
+    def fetcher(self) -> ChunkReads: ...
+
+    @property
+    def health(self) -> Health: ...
+
+    @property
+    def options(self) -> PersistOptions: ...
 
     def record_error(self, message: str, event: str | None = None) -> None:
         """An operating error, for the log and ``aiturbo status``."""
@@ -26,10 +65,10 @@ class PersistHost(Protocol):
     def notify_state(self, ino: int) -> None:
         """``ino``'s state changed: wake whoever waits for it (``aiturbo wait``, fsync)."""
 
-    async def on_persisted(self, ino: int, row) -> None:
+    async def on_persisted(self, ino: int, row: InodeRow) -> None:
         """``row.version`` is durable (or broken): release its pins."""
 
-    def adopt_recovered(self, row, pinned: set[int], backings: list) -> None:
+    def adopt_recovered(self, row: InodeRow, pinned: set[int], backings: list[BackingFile]) -> None:
         """After a restart: hold the recovered pins of a staged file."""
 
     def kernel_writing(self, ino: int) -> bool:

@@ -1,6 +1,6 @@
 """POSIX semantics on domain types: inodes, handles, reader, writer, persister."""
 
 from ._fs import Filesystem as Filesystem
-from ._fs import Handle as Handle
+from ._inodes import Handle as Handle
 from ._local_side import VfsLocalSide as VfsLocalSide
 from ._options import VfsOptions as VfsOptions

@@ -16,15 +16,20 @@ file's backing file (``staging._backing``).  A slot is in one of three forms:
   the slot becomes sealed once the object's manifest is recorded (or when
   the file is first written).
 
-A ``None`` slot is a hole: it reads as zeros.  This module is pure data: the
-Filesystem drives every transition and the pool bookkeeping.
+A ``None`` slot is a hole: it reads as zeros.  This module is data, and the
+three steps on a content's backing file every layer above uses; the writer
+drives every transition and the pool bookkeeping.
 """
+
+import logging
 
 import trio
 
 from .. import chunk
 from .._limits import CHUNK_BITS
-from ..staging import BackingFile, Pins, Range
+from ..staging import BackingArea, BackingFile, Pins, Range
+
+log = logging.getLogger(__name__)
 
 
 class VersionPins:
@@ -133,3 +138,27 @@ class FileContent:
         """Chunk ``index``'s range of the backing file (the Filesystem sets ``backing`` first)."""
         assert self.backing is not None, "content without a backing file"
         return self.backing.range(index)
+
+
+def backing_of(staging: BackingArea, ino: int, content: FileContent) -> BackingFile:
+    """The content's backing file (inode ``ino``'s current one, taken on first use)."""
+    if content.backing is None:
+        content.backing = staging.current(ino)
+        content.backing.users += 1
+    return content.backing
+
+
+def let_go(staging: BackingArea, content: FileContent) -> None:
+    """The content no longer uses its backing file (the pool's entries there may)."""
+    backing, content.backing = content.backing, None
+    if backing is not None:
+        backing.users -= 1
+        staging.release(backing)
+
+
+def punch(rng: Range) -> None:
+    """Free a range's memory; a failure is logged (the bytes there are no one's)."""
+    try:
+        rng.punch()
+    except OSError as exc:
+        log.warning("could not free chunk %d of %s: %s", rng.index, rng.file.path, exc)

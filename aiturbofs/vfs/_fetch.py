@@ -12,8 +12,11 @@ Backend reads for a reader retry transient errors a few times within a
 deadline (``read_range``): the backend layer itself never retries.
 """
 
+from __future__ import annotations
+
 import logging
 import random
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -28,13 +31,32 @@ from .._limits import (
     READ_RETRY_FIRST_S,
 )
 
+if TYPE_CHECKING:
+    from ..backend import Backend
+    from ..cluster import ClusterPort
+    from ..meta import MetaStore
+    from ..persist import Persister
+    from ._health import BackendHealth
+    from ._inodes import InodeTable
+
 log = logging.getLogger(__name__)
+
+
+class FetchHost(Protocol):
+    """What the fetch needs of the filesystem: where chunks are, and the rows that say so."""
+
+    meta: MetaStore
+    backend: Backend
+    cluster: ClusterPort
+    health: BackendHealth
+    inodes: InodeTable
+    persister: Persister  # its ``ns_lock``: object moves and the keys recorded for them
 
 
 class ChunkFetcher:
     """Chunks from peers or the backend, for readers and for the persister (see module doc)."""
 
-    def __init__(self, fs):
+    def __init__(self, fs: FetchHost):
         self.fs = fs
         self.bytes_fetched = 0  # read from the backend (status: persist.bytes_fetched)
         self.read_retries = 0  # backend reads retried for a reader
@@ -46,7 +68,7 @@ class ChunkFetcher:
         if data is not None:
             return data
         if row is None:
-            node = fs._cached(ino)
+            node = fs.inodes.get(ino)
             row = node.row if node is not None else await fs.meta.get_inode(ino)
         data = await self._from_peers(row, key)  # the distributed cache: holders' DRAM before storage
         if data is not None:

@@ -19,9 +19,13 @@ whose object vanished are removed, unless open.  Names that cannot be POSIX name
 log line, so a backend key can never escape the mount.
 """
 
+from __future__ import annotations
+
 import logging
 import stat
 import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -37,6 +41,15 @@ from .._limits import (
 from .._nursery import open_nursery
 from ..backend import ASIDE_PREFIX, NodeAttrs, ObjectInfo
 from ..meta import ROOT_INO, STATE_DURABLE, InodeRow
+
+if TYPE_CHECKING:
+    from ..backend import Backend
+    from ..meta import MetaStore
+    from ..persist import Persister
+    from ._health import BackendHealth
+    from ._inodes import InodeTable
+    from ._options import VfsOptions
+    from ._writer import Writer
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +77,27 @@ class _Listing:
         self.done = trio.Event()
 
 
+class ImportHost(Protocol):
+    """What the import needs of the filesystem."""
+
+    meta: MetaStore
+    backend: Backend
+    health: BackendHealth
+    options: VfsOptions
+    persister: Persister
+    inodes: InodeTable
+    writer: Writer
+
+    def spawn(self, fn: Callable[..., Awaitable[None]], *args) -> bool:
+        """Run ``fn(*args)`` in the background; False before the filesystem started."""
+        ...
+
+    def record_error(self, message: str, event: str | None = None) -> None:
+        """An operating error, for the log and ``aiturbo status``."""
+
+
 class Importer:
-    def __init__(self, fs):
+    def __init__(self, fs: ImportHost):
         self.fs = fs
         self._busy: dict[int, _Listing] = {}
         # Directory -> an imported_ns it had: imported_ns only grows, so one
@@ -298,12 +330,12 @@ class Importer:
         fresh = await self.fs.meta.get_inode(row.ino)
         if fresh.version != row.version or fresh.state != STATE_DURABLE or fresh.backend_etag != row.backend_etag:
             return  # persisted through the mount since the namespace was read: not an outside change
-        node = self.fs._cached(row.ino)
+        node = self.fs.inodes.get(row.ino)
         if node is not None and (node.opens or (node.content is not None and node.content.dirty)):
             return
         log.info("import_changed key=%s (changed in the backend: dropping the cached content)", info.key)
         if node is not None:
-            self.fs._drop_content(node)
+            self.fs.writer.drop_content(node)
         fields = {"mode": info.mode if stat.S_ISREG(info.mode) else row.mode,
                   "uid": row.uid if info.uid is None else info.uid, "gid": row.gid if info.gid is None else info.gid,
                   "mtime_ns": info.mtime_ns or row.mtime_ns}
@@ -316,7 +348,7 @@ class Importer:
             node.cached_version = -1
 
     async def _remove(self, parent: int, name: bytes, row: InodeRow) -> None:
-        node = self.fs._cached(row.ino)
+        node = self.fs.inodes.get(row.ino)
         if node is not None and node.opens:
             return
         try:

@@ -57,7 +57,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -65,29 +65,61 @@ from .. import chunk
 from .._errors import FileTooBig, NoSpace
 from .._limits import KERNEL_CHARGE_POLL_S, PASSTHROUGH_FREE_FRACTION_MIN
 from .._threads import background
-from ..staging import content_key_of, is_hole, room_in
+from ..staging import BackingArea, BackingFile, Range, StagingPool, content_key_of, is_hole, room_in
 from ._content import FileContent, Slot
 
 if TYPE_CHECKING:
-    from ..staging import BackingFile
-    from ._fs import Filesystem, Handle, Inode
+    from ._inodes import Handle, Inode
 
 log = logging.getLogger(__name__)
 
 
-async def open_kernel(fs: Filesystem, handle: Handle) -> int | None:
+class KernelHost(Protocol):
+    """What this bookkeeping needs of the write path (``Writer`` is it)."""
+
+    pool: StagingPool
+    staging: BackingArea
+    size_max: int
+
+    def backing(self, node: Inode, content: FileContent) -> BackingFile:
+        """The content's backing file (taken on first use)."""
+        ...
+
+    def let_go(self, content: FileContent) -> None:
+        """The content no longer uses its backing file."""
+
+    def punch(self, rng: Range) -> None:
+        """Free a range's memory (a failure is logged)."""
+
+    def free_slot(self, slot: Slot | None, node: Inode | None = None, *, content: FileContent | None = None,
+                  index: int = 0) -> None:
+        """Give back a slot's room or pin."""
+
+    def cache_key(self, node: Inode, index: int, slot: Slot) -> bytes:
+        """The pool key of a sealed or external slot's bytes."""
+        ...
+
+    async def read_slot(self, node: Inode, index: int, slot: Slot, length: int, *, cache: bool = True):
+        """The bytes of a sealed or external slot (valid until the next await)."""
+
+    def kernel_written(self) -> list[Inode]:
+        """The files open for the kernel to write."""
+        ...
+
+
+async def open_kernel(fs: KernelHost, handle: Handle) -> int | None:
     """If the kernel may serve ``handle`` from the backing file: count it and return the backing file's descriptor."""
     node = handle.inode
     if not stat.S_ISREG(node.row.mode) or node.content is None:
         return None
     content = node.content
-    backing = fs._backing(node, content)
+    backing = fs.backing(node, content)
     if backing.kernel_opens and content.kernel_behind:
         await _catch_up(fs, node, backing)
         if node.content is None:
             return None
         content = node.content
-        backing = fs._backing(node, content)
+        backing = fs.backing(node, content)
     if not backing.kernel_opens:
         content.kernel_behind = False  # (the kernel holds nothing of an older version)
         empty = _empty_content(content)
@@ -145,7 +177,7 @@ async def open_kernel(fs: Filesystem, handle: Handle) -> int | None:
     return fd
 
 
-def _disk_has_room(fs: Filesystem) -> bool:
+def _disk_has_room(fs: KernelHost) -> bool:
     """Whether a new file the kernel writes goes to disk: where the disk directory's filesystem has more room
     than the staging tmpfs (a small spill disk would fill before the tmpfs would), and while the pool lets
     files stage there (``may_stage_on_disk``: writers wait for persist like any other beyond that)."""
@@ -153,7 +185,7 @@ def _disk_has_room(fs: Filesystem) -> bool:
             and fs.staging.disk_free_bytes() >= fs.pool.budget_bytes)
 
 
-async def _to_disk(fs: Filesystem, node: Inode, content: FileContent, backing: BackingFile) -> BackingFile | None:
+async def _to_disk(fs: KernelHost, node: Inode, content: FileContent, backing: BackingFile) -> BackingFile | None:
     """Give the empty ``content`` a backing file on disk in place of ``backing`` (emptied already); None if the
     file changed meanwhile (another open came, or another version): then it is served through requests."""
     disk = fs.staging.file(node.ino, on_disk=True)
@@ -166,13 +198,13 @@ async def _to_disk(fs: Filesystem, node: Inode, content: FileContent, backing: B
             or node.served > 1 or not _empty_content(content)):
         fs.staging.release(disk)
         return None
-    fs._let_go(content)
+    fs.let_go(content)
     content.backing = disk
     disk.users += 1
     return disk
 
 
-async def _catch_up(fs: Filesystem, node: Inode, backing) -> None:
+async def _catch_up(fs: KernelHost, node: Inode, backing) -> None:
     """Put the file's content, a newer version, into the backing file the kernel serves to descriptors open on an
     older one, before another open joins them (the kernel binds all passthrough opens of an inode to one backing
     file: the old descriptors read the new version from then on).
@@ -188,7 +220,7 @@ async def _catch_up(fs: Filesystem, node: Inode, backing) -> None:
                              node.ino, node.row.version)
 
 
-async def _load(fs: Filesystem, node: Inode, content: FileContent, backing) -> bool:
+async def _load(fs: KernelHost, node: Inode, content: FileContent, backing) -> bool:
     """Every chunk of ``content`` into its range of ``backing``; False if the file took yet another version meanwhile.
 
     The chunks not there yet are read once before the first range changes
@@ -208,14 +240,14 @@ async def _load(fs: Filesystem, node: Inode, content: FileContent, backing) -> b
         if slot is None:
             if e is not None or not is_hole(backing.fd(), backing.range(index).offset, length):
                 missing.append((index, slot, length))
-        elif e is None or e.key != fs._cache_key(node, index, slot) or e.length != length:
+        elif e is None or e.key != fs.cache_key(node, index, slot) or e.length != length:
             missing.append((index, slot, length))
     for index, slot, length in missing:  # first read: into the pool, where it has room
         if slot is not None:
-            await fs._read_slot(node, index, slot, length, cache=False)
+            await fs.read_slot(node, index, slot, length, cache=False)
     for index, slot, length in missing:
         rng = backing.range(index)
-        data = None if slot is None else bytes(await fs._read_slot(node, index, slot, length, cache=False))
+        data = None if slot is None else bytes(await fs.read_slot(node, index, slot, length, cache=False))
         need = 0 if slot is None else room_in(rng, length)
         if need:
             await fs.pool.reserve(need)
@@ -225,14 +257,14 @@ async def _load(fs: Filesystem, node: Inode, content: FileContent, backing) -> b
             fs.pool.unreserve(need)
             return False
         if slot is None or data is None:
-            fs._punch(rng)  # a hole: zeros
+            fs.punch(rng)  # a hole: zeros
             continue
         try:
             rng.pwrite(0, data)
         except OSError as exc:
             fs.pool.unreserve(need)
             raise NoSpace(f"staging area {fs.staging.directory}: {exc.strerror}", errno_=exc.errno) from exc
-        fs.pool.adopt_range(fs._cache_key(node, index, slot), rng, length, need, pin=False)
+        fs.pool.adopt_range(fs.cache_key(node, index, slot), rng, length, need, pin=False)
     for rng in backing.ranges():
         if rng.index >= n and rng.entry is not None:
             charge, _, _ = await fs.pool.take_range(rng)
@@ -276,7 +308,7 @@ def _stamp(st: os.stat_result) -> tuple[int, int, int]:
     return st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
-async def _empty(fs: Filesystem, backing) -> None:
+async def _empty(fs: KernelHost, backing) -> None:
     """Move every chunk out of ``backing`` (pinned ones keep a copy) and cut it to 0 bytes."""
     for rng in backing.ranges():
         charge, _, _ = await fs.pool.take_range(rng)
@@ -317,7 +349,7 @@ def stamp_kernel_mtime(node: Inode, mtime_ns: int) -> None:
     os.utime(fd, ns=(os.fstat(fd).st_atime_ns, mtime_ns))
 
 
-async def absorb(fs: Filesystem, node: Inode, *, verify: bool = False) -> None:
+async def absorb(fs: KernelHost, node: Inode, *, verify: bool = False) -> None:
     """Take what the kernel wrote into the backing file into the file's slots (see module doc).
 
     Every chunk is hashed (worker threads) and compared with what its slot
@@ -376,7 +408,7 @@ async def absorb(fs: Filesystem, node: Inode, *, verify: bool = False) -> None:
     content.absorbed = _stamp(st)
 
 
-def _reseal(fs: Filesystem, node: Inode, content, index: int, key: bytes, length: int) -> None:
+def _reseal(fs: KernelHost, node: Inode, content, index: int, key: bytes, length: int) -> None:
     """Chunk ``index`` now holds the bytes of ``key``, there in its range: seal it so (pinned, as a write's seal)."""
     rng = content.range(index)
     charge = fs.pool.disown_range(rng)  # an entry of the old bytes no longer has them here
@@ -397,10 +429,10 @@ def _reseal(fs: Filesystem, node: Inode, content, index: int, key: bytes, length
         content.slots[index] = Slot(key=key, pinned=True)
         fs.pool.adopt_range(key, rng, length, need)
     if old is not None and not old.is_open:
-        fs._free_slot(old, node, content=content, index=index)
+        fs.free_slot(old, node, content=content, index=index)
 
 
-async def close_kernel(fs: Filesystem, handle: Handle) -> None:
+async def close_kernel(fs: KernelHost, handle: Handle) -> None:
     """``handle``, served by the kernel, is released (before the file's release commits).
 
     It counts as open until the check of the last writer's chunks is done:
@@ -439,10 +471,10 @@ async def close_kernel(fs: Filesystem, handle: Handle) -> None:
         for rng in backing.ranges():
             slot = content.slot_at(rng.index)
             if rng.entry is None and (slot is None or slot.key is not None):
-                fs._punch(rng)  # zeros, or a chunk the pool has elsewhere: the copy here was the kernel's
+                fs.punch(rng)  # zeros, or a chunk the pool has elsewhere: the copy here was the kernel's
 
 
-async def run_charger(fs: Filesystem) -> None:
+async def run_charger(fs: KernelHost) -> None:
     """Count what the kernel writes into open files against the pool while it writes.
 
     The kernel writes passthrough files without asking; counted only at

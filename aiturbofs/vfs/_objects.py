@@ -27,7 +27,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -39,9 +40,31 @@ from ..meta import InodeRow
 from ._content import Slot
 
 if TYPE_CHECKING:
-    from ._fs import Filesystem, Inode
+    from ..cluster import ClusterPort
+    from ..meta import MetaStore
+    from ..persist import Persister
+    from ..staging import StagingPool
+    from ._fetch import ChunkFetcher
+    from ._inodes import Inode
 
 log = logging.getLogger(__name__)
+
+
+class ObjectsHost(Protocol):
+    """What the named chunks need of the filesystem."""
+
+    meta: MetaStore
+    cluster: ClusterPort
+    fetcher: ChunkFetcher
+    persister: Persister
+    pool: StagingPool
+
+    def spawn(self, fn: Callable[..., Awaitable[None]], *args) -> bool:
+        """Run ``fn(*args)`` in the background; False before the filesystem started."""
+        ...
+
+    def record_error(self, message: str, event: str | None = None) -> None:
+        """An operating error, for the log and ``aiturbo status``."""
 
 
 def external_key(row: InodeRow, index: int) -> bytes:
@@ -61,7 +84,7 @@ def external_keys(row: InodeRow) -> list[bytes]:
 class ObjectChunks:
     """Named chunks of imported objects on this node (see module doc)."""
 
-    def __init__(self, fs: Filesystem):
+    def __init__(self, fs: ObjectsHost):
         self.fs = fs
         # name -> BLAKE3 of the chunk's bytes, least recently used first; bounded (a pool's worth and more)
         self._hashes: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
