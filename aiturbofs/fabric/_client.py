@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn, Protocol
 
 import trio
 
@@ -21,8 +21,17 @@ from ._base import Peer, PeerCounters, PeerInfo
 from ._streams import log, stream_errors, verify_chunk
 from ._wire import REPLIES, Frame, FrameReader, FrameType, decode_json, decode_message, encode_json, send_frame
 
-if TYPE_CHECKING:  # a cycle at run time: the transport creates these
-    from ._protocol import StreamTransport
+
+class PeerTransport(Protocol):
+    """What a ``StreamPeer`` uses of the transport that made it (a ``StreamTransport``).
+
+    Typed by what it does, not by the class: the transport module imports
+    this one to build its peers, so this one does not import it back.
+    """
+
+    in_flight_max: int
+    _hash_limiter: trio.CapacityLimiter
+    _peers: set[StreamPeer]  # its open peers: each leaves when it closes or its connection ends
 
 
 class _Call:
@@ -41,7 +50,7 @@ class _Call:
 class StreamPeer(Peer):
     """The client end of one authenticated stream."""
 
-    def __init__(self, transport: StreamTransport, stream: trio.abc.Stream, reader: FrameReader, info: PeerInfo, counters: PeerCounters):
+    def __init__(self, transport: PeerTransport, stream: trio.abc.Stream, reader: FrameReader, info: PeerInfo, counters: PeerCounters):
         self.info = info
         self.counters = counters
         self._transport = transport

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -55,8 +56,8 @@ from .._limits import (
     FABRIC_RDMA_SLOTS,
     FABRIC_RDMA_SLOTS_MAX,
 )
-from ._rdma_client import RdmaPeer
-from ._rdma_server import RdmaSession
+from ._rdma_client import RdmaPeer, RdmaPeerTransport
+from ._rdma_server import RdmaSession, RdmaSessionTransport
 from ._rdma_wire import PROBE_TOKEN_BYTES, LentMemory
 from ._slots import Slot, SlotPool
 from ._streams import log
@@ -216,3 +217,11 @@ class RdmaTransport(TcpTransport):
                 self._posted = trio.Event()
                 continue
             self._deliver(await trio.to_thread.run_sync(self._device.poll_wait, FABRIC_RDMA_POLL_ROUND_S))
+
+
+# RdmaPeer and RdmaSession type their transport by what they use of it; they are
+# built through _peer_class and _session_class, where no call is checked, so
+# have the type checker see here that this transport fits them.
+if TYPE_CHECKING:
+    _peer_transport: type[RdmaPeerTransport] = RdmaTransport
+    _session_transport: type[RdmaSessionTransport] = RdmaTransport

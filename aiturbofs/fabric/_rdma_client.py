@@ -12,7 +12,7 @@ destroyed when the connection ends.
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
@@ -24,21 +24,33 @@ from .._limits import (
     FABRIC_RDMA_SETUP_TIMEOUT_S,
     HASH_BYTES,
 )
-from ._client import StreamPeer, _Call
-from ._rdma_wire import decode_accept, decode_length, encode_endpoint, encode_slot, encode_slot_length
-from ._slots import Slot, copy_in, copy_out
+from ._client import PeerTransport, StreamPeer, _Call
+from ._rdma_wire import LentMemory, decode_accept, decode_length, encode_endpoint, encode_slot, encode_slot_length
+from ._slots import Slot, SlotPool, copy_in, copy_out
 from ._streams import log
 from ._verbs import QueuePair, VerbsError
 from ._wire import Frame, FrameType
 
-if TYPE_CHECKING:  # a cycle at run time: the transport creates these
-    from ._rdma import RdmaTransport
+
+class RdmaPeerTransport(PeerTransport, Protocol):
+    """What an ``RdmaPeer`` uses of the transport that made it (an ``RdmaTransport``)."""
+
+    _lent: LentMemory
+    _lent_slots: SlotPool
+    _probe_token: bytes
+
+    @property
+    def device_name(self) -> str: ...
+
+    def _open_qp(self, *, remote_access: bool) -> QueuePair: ...
+
+    def _close_qp(self, qp: QueuePair) -> None: ...
 
 
 class RdmaPeer(StreamPeer):
     """A ``StreamPeer`` whose chunk payloads move over an RC queue pair once set up."""
 
-    _transport: RdmaTransport
+    _transport: RdmaPeerTransport
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

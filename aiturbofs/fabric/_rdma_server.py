@@ -13,25 +13,37 @@ the queue pair is destroyed.
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .._errors import InvalidArgument, NotSupported
 from .._limits import FABRIC_RDMA_PAYLOAD_BYTES_MIN, FABRIC_RDMA_PROBE_TIMEOUT_S, FABRIC_RDMA_WR_TIMEOUT_S
 from ._rdma_wire import LentMemory, decode_offer, decode_slot, decode_slot_length, encode_endpoint, encode_length
-from ._server import ServerSession, SessionBroken, named_reply
-from ._slots import Slot, copy_in, copy_out
+from ._server import ServerSession, SessionBroken, SessionTransport, named_reply
+from ._slots import Slot, SlotPool, copy_in, copy_out
 from ._streams import log
 from ._verbs import Op, QueuePair, VerbsError
 from ._wire import Frame, FrameType
 
-if TYPE_CHECKING:  # a cycle at run time: the transport creates these
-    from ._rdma import RdmaTransport
+
+class RdmaSessionTransport(SessionTransport, Protocol):
+    """What an ``RdmaSession`` uses of the transport that serves it (an ``RdmaTransport``)."""
+
+    _own_slots: SlotPool
+
+    @property
+    def device_name(self) -> str: ...
+
+    def _open_qp(self, *, remote_access: bool) -> QueuePair: ...
+
+    def _close_qp(self, qp: QueuePair) -> None: ...
+
+    async def _move(self, qp: QueuePair, op: Op, slot: Slot, length: int, remote_addr: int, rkey: int, *, timeout_s: float) -> None: ...
 
 
 class RdmaSession(ServerSession):
     """Answers one client like ``ServerSession``, plus the RDMA extension when asked."""
 
-    _transport: RdmaTransport
+    _transport: RdmaSessionTransport
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -8,7 +8,7 @@ handler sees them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
@@ -29,8 +29,18 @@ from ._wire import (
     send_frame,
 )
 
-if TYPE_CHECKING:  # a cycle at run time: the transport creates these
-    from ._protocol import StreamTransport
+
+class SessionTransport(Protocol):
+    """What a ``ServerSession`` uses of the transport that serves it (a ``StreamTransport``).
+
+    Typed by what it does, not by the class: the transport module imports
+    this one to build its sessions, so this one does not import it back.
+    """
+
+    node: str
+    kind: str
+    in_flight_max: int
+    _hash_limiter: trio.CapacityLimiter
 
 
 class SessionBroken(Exception):
@@ -51,7 +61,7 @@ def named_reply(key: bytes, got):
 class ServerSession:
     """Answers the requests of one authenticated client."""
 
-    def __init__(self, transport: StreamTransport, stream: trio.abc.Stream, reader: FrameReader, info: PeerInfo, handler: ChunkHandler, counters: PeerCounters):
+    def __init__(self, transport: SessionTransport, stream: trio.abc.Stream, reader: FrameReader, info: PeerInfo, handler: ChunkHandler, counters: PeerCounters):
         self._transport = transport
         self._stream = stream
         self._reader = reader
