@@ -12,6 +12,7 @@ RANK = {
     "vfs": 5, "controller": 5,
     "persist": 4.7,
     "cluster": 4.5,
+    "messages": 4.2,
     "fabric": 4,
     "staging": 3,
     "planner": 2,
