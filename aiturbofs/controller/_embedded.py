@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from .. import planner
 from .._limits import GROUP_CHUNKS_TRACKED_MAX, HASH_BYTES
+from ..messages import ReadPlan, Refused, Report, WritePlan
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,9 @@ class EmbeddedController:
             self._rounds = RoundKeeper(meta, self.members, backend_bw=backend_bw, **options)
         return self._rounds
 
-    async def report(self, body: dict) -> dict:
+    async def report(self, report: Report) -> WritePlan | ReadPlan | Refused:
         """This node's file report for a group round; the round's answer (see ``RoundKeeper.report``)."""
-        return await self.rounds.report(self.node, body)
+        return await self.rounds.report(self.node, report)
 
     async def report_close(self, report) -> None:
         if report.group is None:
