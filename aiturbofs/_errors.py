@@ -198,3 +198,12 @@ class RemoteError(AiturboError):
     """A fabric peer answered one request with an error; the connection stays usable."""
 
     errno = errno.EIO
+
+
+class MalformedMessage(InvalidArgument):
+    """A control message (``aiturbofs.messages``) that does not fit its declaration: an unknown op, a field
+    missing or of the wrong JSON type.
+
+    A request fails with it alone (the fabric answers it as that request's
+    error); an answer that does not fit fails the call that asked.
+    """

@@ -24,6 +24,7 @@ from aiturbofs._errors import AuthFailed, InvalidArgument, RemoteError
 from aiturbofs._limits import AUTOGROUP_WINDOW_S, CHUNK_BYTES, READ_AHEAD_CHUNKS
 from aiturbofs.controller import ControllerServer, EmbeddedController, RoundKeeper
 from aiturbofs.fabric import MemoryNetwork, MemoryTransport, TcpTransport
+from aiturbofs.messages import FirstReader, ToController, decode, encode
 from aiturbofs.planner import NodeSpec
 
 SECRET = b"correct horse battery staple 42!"
@@ -100,12 +101,17 @@ def members(n, *, send=25 * GB, snic=12.5 * GB, dram=1 << 40):
     return {f"n{i}": NodeSpec(send, send, snic, dram) for i in range(1, n + 1)}
 
 
+async def report(keeper, b) -> dict:
+    """``keeper``'s answer to the report ``b``, both as they cross the fabric."""
+    return encode(await keeper.report(b["node"], decode(b, ToController)))
+
+
 async def report_all(keeper, bodies) -> list[dict]:
     """Report ``bodies`` in this order (each queued before the next is sent); their answers."""
     answers = [None] * len(bodies)
 
     async def one(i, b):
-        answers[i] = await keeper.report(b["node"], b)
+        answers[i] = await report(keeper, b)
 
     async with trio.open_nursery() as nursery:
         for i, b in enumerate(bodies):
@@ -364,7 +370,7 @@ def test_a_dead_nodes_report_leaves_the_open_round():
         answers = {}
 
         async def one(b):
-            answers[b["node"]] = await keeper.report(b["node"], b)
+            answers[b["node"]] = await report(keeper, b)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(one, body("n2", ["a", "b"], group_size=2))
@@ -391,7 +397,7 @@ def test_bad_reports_are_refused():
             bad = {**good, "file": dict(good["file"])}
             mutate(bad)
             with pytest.raises(Exception, match="report:"):
-                await keeper.report("n1", bad)
+                await report(keeper, bad)
 
     run(main)
 
@@ -404,7 +410,7 @@ def test_embedded_controller_plans_rounds_of_one_node():
         answers = [None, None]
 
         async def one(i, b):
-            answers[i] = await ctl.report(b)
+            answers[i] = encode(await ctl.report(decode(b, ToController)))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(one, 0, b1)
@@ -581,7 +587,8 @@ def test_a_node_cannot_speak_for_another(caplog):
     async def main():
         async with cluster() as c:
             n1 = await c.connect("n1")
-            for op in (join_body("n2"), {"op": "heartbeat", "node": "n2"}, body("n2", ["a"]), {"op": "leave"}):
+            for op in (join_body("n2"), {"op": "heartbeat", "node": "n2"}, body("n2", ["a"]),
+                       {"op": "leave", "node": "n2"}):
                 with pytest.raises(RemoteError, match="authenticated as 'n1'"):
                     await n1.control(op)
             with pytest.raises(RemoteError, match="unknown controller op"):
@@ -591,6 +598,21 @@ def test_a_node_cannot_speak_for_another(caplog):
     with caplog.at_level(logging.WARNING, logger="aiturbofs.controller"):
         run(main)
     assert "join from n1 at" in caplog.text and "claims to be node 'n2'" in caplog.text
+
+
+def test_a_malformed_request_fails_alone():
+    async def main():
+        async with cluster() as c:
+            n1 = await c.connect("n1")
+            for bad, why in (({"op": "leave"}, "leave: node is missing"),
+                             ({**join_body("n1"), "dram_free": "lots"}, "join: dram_free must be an integer"),
+                             ({"op": "hold", "ino": 1}, "unknown controller op 'hold'")):
+                with pytest.raises(RemoteError, match=f"MalformedMessage: {why}"):
+                    await n1.control(bad)
+            assert c.meta.rows == {}
+            assert (await n1.control(join_body("n1")))["ok"]  # the connection and the controller go on
+
+    run(main)
 
 
 def test_wrong_secret_is_rejected():
@@ -726,12 +748,12 @@ def test_autogroup_first_reader_reads_at_once_and_heads_what_it_fetched_alone():
     async def main():
         keeper = ReadRoundKeeper(FakeMeta(), members(4, snic=CHUNK_BYTES), backend_bw=10 * GB)  # one chunk/s
         group = f"{AUTO_PREFIX}7:1:etag"
-        assert keeper.join("n2", {"group": group}) == {"first": True}
-        assert keeper.join("n2", {"group": group}) == {"first": True}  # asked again: still the first
-        assert keeper.join("n1", {"group": group}) == {"first": False}
-        assert keeper.join("n3", {"group": group}) == {"first": False}
+        assert keeper.join("n2", group) == FirstReader(first=True)
+        assert keeper.join("n2", group) == FirstReader(first=True)  # asked again: still the first
+        assert keeper.join("n1", group) == FirstReader(first=False)
+        assert keeper.join("n3", group) == FirstReader(first=False)
         with pytest.raises(InvalidArgument):
-            keeper.join("n1", {"group": "job"})  # tagged groups do not join
+            keeper.join("n1", "job")  # tagged groups do not join
         labels = [f"m{i}" for i in range(16)]
         bodies = [body(n, labels, group=group, ino=7) for n in ("n2", "n1", "n3")]
         for b in bodies:
@@ -747,7 +769,7 @@ def test_autogroup_first_reader_reads_at_once_and_heads_what_it_fetched_alone():
         assert sum(fetch.values()) == (16 - head_start) * CHUNK_BYTES  # the rest once each, spread
         assert set(fetch) == {"n1", "n2", "n3"}
         await trio.sleep(AUTOGROUP_WINDOW_S + 0.1)
-        assert keeper.join("n3", {"group": group}) == {"first": True}  # a new window, a new first reader
+        assert keeper.join("n3", group) == FirstReader(first=True)  # a new window, a new first reader
         # every live node reads it: the round closes at once, nobody else can come
         everyone = [body(n, labels, group=group, ino=7) for n in ("n3", "n1", "n2", "n4")]
         for b in everyone:

@@ -26,12 +26,22 @@ import logging
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, TypedDict, TypeVar
 
 import trio
 
 from .. import chunk
-from .._errors import AiturboError, AuthFailed, InvalidArgument, NotFound, PeerBroken, PeerClosed, PeerSlow, RemoteError
+from .._errors import (
+    AiturboError,
+    AuthFailed,
+    InvalidArgument,
+    MalformedMessage,
+    NotFound,
+    PeerBroken,
+    PeerClosed,
+    PeerSlow,
+    RemoteError,
+)
 from .._limits import (
     AUTOGROUP_JOIN_WAIT_S,
     CLUSTER_CHAIN_LINGER_S,
@@ -52,6 +62,29 @@ from .._limits import (
 )
 from .._nursery import open_nursery
 from ..fabric import Named, Peer, PeerInfo, Transport, format_address, parse_address
+from ..messages import (
+    Answer,
+    FileChunks,
+    FirstReader,
+    Heartbeat,
+    Hold,
+    Join,
+    Joined,
+    Membership,
+    Ok,
+    ReadJoin,
+    ReadPlan,
+    ReadReport,
+    Receipt,
+    Refused,
+    Report,
+    ToNode,
+    UploadPart,
+    WritePlan,
+    decode,
+    decode_answer,
+    encode,
+)
 from ..meta import NODE_ALIVE, NODE_DEAD, STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED
 from ..staging import BackingArea, Pins, content_key_of
 from ._port import CopySource, LocalSide, PersistHints, ReadRequest, Staged, StageRequest
@@ -60,6 +93,7 @@ log = logging.getLogger("aiturbofs.cluster")
 
 PUTS_IN_FLIGHT_PER_PEER = 4  # chunk puts to one replica target at once
 _PEER_ERRORS = (PeerBroken, PeerClosed, RemoteError, AuthFailed)
+_A = TypeVar("_A", bound=Answer)
 
 
 def _key(text) -> bytes:
@@ -212,23 +246,24 @@ class ClusterNode:
             peer = None
             try:
                 peer = await self.transport.connect(address)
-                reply = await peer.control({"op": "join", "node": self.node, "fabric": self.address,
-                                            "dram_free": self._dram_free(), **self.bandwidths})
-                if not reply.get("ok"):
-                    raise RemoteError(f"join refused: {reply.get('error')}")
-                period = float(reply.get("heartbeat_s", 1.0))
+                joined = decode_answer(await peer.control(encode(self._join_message())), Joined)
+                if isinstance(joined, Refused):
+                    raise RemoteError(f"join refused: {joined.error}")
+                if not joined.ok:
+                    raise RemoteError("join refused")
+                period = joined.heartbeat_s
                 self._controller = peer
                 log.info("controller_joined address=%s down_s=%.1f", self.controller_address,
                          time.monotonic() - down_since if down_since else 0.0)
                 down_since = None
                 while True:
                     await trio.sleep(period)
-                    reply = await peer.control({"op": "heartbeat", "node": self.node, "dram_free": self._dram_free(),
-                                                "summary": self.summary()})
-                    if reply.get("error"):
-                        log.warning("controller: %s; joining again", reply["error"])
+                    beat = Heartbeat(node=self.node, dram_free=self._dram_free(), summary=self.summary())
+                    answer = decode_answer(await peer.control(encode(beat)), Membership)
+                    if isinstance(answer, Refused):
+                        log.warning("controller: %s; joining again", answer.error)
                         break
-            except _PEER_ERRORS as exc:
+            except (*_PEER_ERRORS, MalformedMessage) as exc:
                 if down_since is None:
                     down_since = time.monotonic()
                     log.warning("controller_unreachable address=%s error=%r retry_s=%.0f", self.controller_address, exc, CLUSTER_RECONNECT_S)
@@ -237,6 +272,12 @@ class ClusterNode:
                 if peer is not None:
                     await peer.aclose()
             await trio.sleep(CLUSTER_RECONNECT_S)
+
+    def _join_message(self) -> Join:
+        assert self.address is not None  # run() serves the fabric before the session starts
+        bw = self.bandwidths
+        return Join(node=self.node, fabric=self.address, dram_free=self._dram_free(),
+                    send_bw=bw["send_bw"], recv_bw=bw["recv_bw"], snic_bw=bw["snic_bw"])
 
     def _dram_free(self) -> int:
         s = self.pool.stats()
@@ -374,25 +415,20 @@ class ClusterNode:
         return True
 
     async def control(self, peer: PeerInfo, body: dict) -> dict:
-        try:
-            return await self._control(peer, body)
-        except (KeyError, TypeError, ValueError) as exc:  # a malformed request: refuse it, keep serving
-            raise InvalidArgument(f"malformed {body.get('op')!r} request from {peer.node!r}: {exc!r}") from None
-
-    async def _control(self, peer: PeerInfo, body: dict) -> dict:
-        op = body.get("op")
-        if op == "hold":
-            self._hold(int(body["ino"]), [_key(k) for k in body.get("keys", [])])
-            return {"ok": True}
-        if op == "upload_part":
-            if self.local is None:
-                raise RemoteError("not serving yet")
-            receipt = await self.local.upload_for_peer(
-                str(body["backend_key"]), str(body["token"]), int(body["index"]), _key(body["key"]),
-                int(body["length"]), [str(h) for h in body.get("holders", [])],
-            )
-            return {"receipt": receipt}
-        raise InvalidArgument(f"unknown control op {op!r} from {peer.node!r}")
+        request = decode(body, ToNode)  # MalformedMessage: this request fails, the others go on
+        match request:
+            case Hold():
+                self._hold(request.ino, [_key(k) for k in request.keys])
+                return encode(Ok())
+            case UploadPart():
+                if self.local is None:
+                    raise RemoteError("not serving yet")
+                receipt = await self.local.upload_for_peer(
+                    request.backend_key, request.token, request.index, _key(request.key), request.length,
+                    list(request.holders),
+                )
+                return encode(Receipt(receipt=receipt))
+        raise InvalidArgument(f"unknown node op {request.op!r} from {peer.node!r}")
 
     def _hold(self, ino: int, keys: list[bytes]) -> None:
         """Turn received chunks into replicas of ``ino``: pinned until it is durable."""
@@ -463,28 +499,35 @@ class ClusterNode:
 
     async def upload_part(self, node: str, backend_key: str, token: str, index: int, key: bytes, length: int, holders: list[str]) -> str:
         peer = await self._peer(node)
+        request = UploadPart(backend_key=backend_key, token=token, index=index, key=key.hex(), length=length,
+                             holders=tuple(holders))
         reply = await peer.control(
-            {"op": "upload_part", "backend_key": backend_key, "token": token, "index": index,
-             "key": key.hex(), "length": length, "holders": holders},
+            encode(request),
             # The peer gives up at PEER_UPLOAD_PART_TIMEOUT_S; a slow backend
             # fails this call alone, not the connection every other call shares.
             timeout=PEER_UPLOAD_PART_TIMEOUT_S + FABRIC_CALL_TIMEOUT_S, keep_on_timeout=True,
         )
-        return str(reply["receipt"])
+        try:
+            answer = decode_answer(reply, Receipt)
+        except MalformedMessage as exc:
+            raise RemoteError(f"node {node!r} answered upload_part with {exc}") from None
+        if isinstance(answer, Refused):
+            raise RemoteError(f"node {node!r} refused upload_part: {answer.error}")
+        return answer.receipt
 
     # ===================================================== staging (future 0)
     async def stage(self, request: StageRequest) -> Staged:
         keys = chunk.unpack_manifest(request.manifest)[: chunk.chunk_count(request.size)]
-        reply = None
+        plan = None
         if request.group is not None and self.controller_address and keys:
-            reply = await self._report(request, keys)
-        if reply is None:
+            plan = await self._report(request, keys)
+        if plan is None:
             holders = await self._replicate(request.ino, keys, self.replicas - 1)
             return Staged(holders=holders)
         by_dst: dict[str, list[bytes]] = {}
-        for index, dst in reply.get("stage", []):
-            by_dst.setdefault(str(dst), []).append(keys[int(index)])
-        holders = [str(h) for h in reply.get("holders", [])] or [self.node]
+        for index, dst in plan.stage:
+            by_dst.setdefault(dst, []).append(keys[index])
+        holders = list(plan.holders) or [self.node]
         if self.node not in holders:
             holders.insert(0, self.node)
         failed: _Failed = []
@@ -496,42 +539,45 @@ class ClusterNode:
                 holders.remove(dst)
             holders += [h for h in await self._replicate(request.ino, dst_keys, 1, avoid=set(holders)) if h not in holders]
         hints = PersistHints(
-            persist={int(i): str(n) for i, n in reply.get("persist", {}).items()},
-            copy={int(i): CopySource(str(c["backend_key"]), int(c["offset"]), int(c["length"]), c.get("etag"))
-                  for i, c in reply.get("copy", {}).items()},
-            wait={int(i) for i in reply.get("wait", [])},
+            persist={int(i): n for i, n in plan.persist.items()},
+            copy={int(i): CopySource(c.backend_key, c.offset, c.length, c.etag) for i, c in plan.copy.items()},
+            wait=set(plan.wait),
         )
         return Staged(holders=holders, hints=hints)
 
     async def committed(self, request: StageRequest, version: int) -> None:
         pass  # the controller heard of the file at ``stage``
 
-    def _body(self, op: str, request, keys: list[bytes], **extra) -> dict:
-        return {
-            "op": op, "node": self.node, "group": request.group, "group_size": request.group_size,
-            "replicas": self.replicas,
-            "file": {"ino": request.ino, "path": request.path, "size": request.size,
-                     "chunks": [k.hex() for k in keys],
-                     "lengths": [chunk.chunk_length(request.size, i) for i in range(len(keys))], **extra},
-        }
+    def _file(self, request: StageRequest | ReadRequest, keys: list[bytes], *,
+              have: list[int] | None = None) -> FileChunks:
+        """The file of a round report: its chunk hashes and lengths (``have``: read reports)."""
+        return FileChunks(ino=request.ino, path=request.path, size=request.size, chunks=tuple(k.hex() for k in keys),
+                          lengths=tuple(chunk.chunk_length(request.size, i) for i in range(len(keys))),
+                          have=None if have is None else tuple(have))
 
-    async def _report(self, request: StageRequest, keys: list[bytes]) -> dict | None:
+    async def _report(self, request: StageRequest, keys: list[bytes]) -> WritePlan | None:
         """The round plan for a grouped file, or None (then it is placed alone)."""
         asked = trio.current_time()
-        reply = await self._ask(self._body("report", request, keys), request.path, CLUSTER_REPORT_TIMEOUT_S)
-        if reply is None:
+        assert request.group is not None  # only grouped files are reported
+        report = Report(node=self.node, group=request.group, group_size=request.group_size, replicas=self.replicas,
+                        file=self._file(request, keys))
+        plan = await self._ask(report, WritePlan, request.path, CLUSTER_REPORT_TIMEOUT_S)
+        if plan is None:
             self.stats["rounds_failed"] += 1
             return None
         self.stats["rounds"] += 1
         self.stats["round_wait_s_total"] += trio.current_time() - asked
-        self.stats["plan_s_total"] += float(reply.get("plan_s") or 0.0)
-        self.stats["round_bytes_total"] += int(reply.get("total_bytes") or 0)
-        self.stats["round_unique_bytes_total"] += int(reply.get("unique_bytes") or 0)
-        self.stats["last_plan"] = {k: reply.get(k) for k in (
-            "round", "files", "lp_bound_s", "makespan_s", "plan_s", "cached", "unique_bytes", "total_bytes", "durable_bytes")}
-        return reply
+        self.stats["plan_s_total"] += plan.plan_s
+        self.stats["round_bytes_total"] += plan.total_bytes
+        self.stats["round_unique_bytes_total"] += plan.unique_bytes
+        self.stats["last_plan"] = {
+            "round": plan.round, "files": plan.files, "lp_bound_s": plan.lp_bound_s, "makespan_s": plan.makespan_s,
+            "plan_s": plan.plan_s, "cached": plan.cached, "unique_bytes": plan.unique_bytes,
+            "total_bytes": plan.total_bytes, "durable_bytes": plan.durable_bytes,
+        }
+        return plan
 
-    async def _ask(self, body: dict, path: str, timeout_s: float) -> dict | None:
+    async def _ask(self, report: Report | ReadReport, kind: type[_A], path: str, timeout_s: float) -> _A | None:
         """The controller's answer to a round report, or None (logged) if it has none in time."""
         deadline = trio.current_time() + timeout_s
         while trio.current_time() < deadline:
@@ -542,20 +588,22 @@ class ClusterNode:
             # not take the slots the session's heartbeats need.
             address = self.controller_address
             assert address is not None  # a controller session is up
+            answer: _A | Refused
             try:
                 with trio.fail_after(max(0.1, deadline - trio.current_time())):
                     async with await self.transport.connect(address) as peer:
-                        reply = await peer.control(body, timeout=max(0.1, deadline - trio.current_time()))
+                        reply = await peer.control(encode(report), timeout=max(0.1, deadline - trio.current_time()))
+                answer = decode_answer(reply, kind)
             except (PeerBroken, PeerClosed, AuthFailed, trio.TooSlowError) as exc:
                 log.info("report of %s: %s; reporting again", path, exc or "timed out")
                 await trio.sleep(0.05)
                 continue
-            except RemoteError as exc:
-                reply = {"error": str(exc)}
-            if reply.get("error"):
-                log.warning("round_unplanned path=%s reason=%r (placed alone)", path, reply["error"])
+            except (RemoteError, MalformedMessage) as exc:
+                answer = Refused(error=str(exc))
+            if isinstance(answer, Refused):
+                log.warning("round_unplanned path=%s reason=%r (placed alone)", path, answer.error)
                 return None
-            return reply
+            return answer
         log.warning("round_unplanned path=%s reason=%r (placed alone)", path,
                     f"no plan within {timeout_s:.0f} s: controller unreachable")
         return None
@@ -576,17 +624,18 @@ class ClusterNode:
     async def _join_auto(self, request: ReadRequest) -> None:
         """An untagged file's read round: the first reader reads at once, later ones wait for the plan."""
         plan = self._read_planned.get(request.ino)
-        reply = None
+        answer: FirstReader | Refused | None = None
         session = self._controller  # the heartbeats' connection: the answer is immediate, no connection to open
         if session is not None:
             try:
-                reply = await session.control({"op": "read_join", "node": self.node, "group": request.group},
+                reply = await session.control(encode(ReadJoin(node=self.node, group=request.group)),
                                               timeout=AUTOGROUP_JOIN_WAIT_S, keep_on_timeout=True)
-            except (*_PEER_ERRORS, PeerSlow) as exc:
+                answer = decode_answer(reply, FirstReader)
+            except (*_PEER_ERRORS, PeerSlow, MalformedMessage) as exc:
                 log.info("read_join of %s: %s; reading alone", request.path, exc)
         if plan is None:
             return
-        if reply is None or reply.get("error") or reply.get("first", True):
+        if not isinstance(answer, FirstReader) or answer.first:
             plan.released = True  # alone so far (or no answer): never slower than a lone read
         else:
             plan.deadline = trio.current_time() + CLUSTER_READ_WAIT_S  # others read it: the plan is coming
@@ -599,16 +648,18 @@ class ClusterNode:
             if request.auto:
                 await self._join_auto(request)
             have = [i for i, k in enumerate(keys) if k != chunk.HOLE and (self.pool.has(k) or k in self.pool.spill)]
-            body = self._body("read_report", request, keys, have=have)
-            reply = await self._ask(body, request.path, CLUSTER_READ_PLAN_WAIT_S)
-            if reply is not None and request.auto and int(reply.get("readers", 1)) <= 1:
-                reply = None  # read alone: no chain to serve, nothing to prefetch
-            if reply is not None:
+            report = ReadReport(node=self.node, group=request.group, group_size=request.group_size,
+                                replicas=self.replicas, file=self._file(request, keys, have=have))
+            answer = await self._ask(report, ReadPlan, request.path, CLUSTER_READ_PLAN_WAIT_S)
+            if answer is not None and request.auto and answer.readers <= 1:
+                answer = None  # read alone: no chain to serve, nothing to prefetch
+            if answer is not None:
                 self.stats["read_rounds"] += 1
-                self.stats["last_read_plan"] = {k: reply.get(k) for k in ("round", "files", "readers", "unique_bytes", "fetch_bytes")}
+                self.stats["last_read_plan"] = {"round": answer.round, "files": answer.files, "readers": answer.readers,
+                                                "unique_bytes": answer.unique_bytes, "fetch_bytes": answer.fetch_bytes}
                 try:
-                    for index, chain in reply.get("chains", {}).items():
-                        index, chain = int(index), [str(n) for n in chain]
+                    for text, chain in answer.chains.items():
+                        index = int(text)
                         if self.node not in chain:
                             continue
                         at = chain.index(self.node)
@@ -616,7 +667,7 @@ class ClusterNode:
                         self._chain[keys[index]] = _Link(
                             request.ino, index, length, tuple(reversed(chain[:at])), frozenset(chain[at + 1 :]))
                         mine.append((keys[index], index, length))
-                except (AttributeError, IndexError, TypeError, ValueError) as exc:
+                except (IndexError, ValueError) as exc:  # a chunk index that is not one of the file's
                     log.error("malformed read plan for %s from the controller: %r", request.path, exc)
         finally:
             plan = self._read_planned.pop(request.ino, None)
@@ -739,7 +790,7 @@ class ClusterNode:
                     await limiter.acquire()
                     nursery.start_soon(put, peer, key)
             if not errors:
-                await peer.control({"op": "hold", "ino": ino, "keys": [k.hex() for k in keys]})
+                await peer.control(encode(Hold(ino=ino, keys=tuple(k.hex() for k in keys))))
         except (*_PEER_ERRORS, AiturboError) as exc:
             errors.append(str(exc))
         if errors:

@@ -8,9 +8,9 @@
   node detection, rounds;
 * ``EmbeddedController`` (``_embedded``): what a single-node daemon embeds.
 
-This package imports fabric, planner, meta, chunk, ``_limits`` and
-``_errors``; never vfs, staging or node: the VFS reaches it through the
-node's messages.
+This package imports fabric, messages, planner, meta, chunk, ``_limits``
+and ``_errors``; never vfs, cluster, staging or node: the VFS reaches it
+through the node's messages (``aiturbofs.messages``).
 """
 
 import importlib

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from .. import planner
 from .._limits import GROUP_CHUNKS_TRACKED_MAX, HASH_BYTES
+from ..messages import ReadPlan, Refused, Report, WritePlan
 
 if TYPE_CHECKING:
     from ._rounds import RoundKeeper
@@ -57,9 +58,9 @@ class EmbeddedController:
             self._rounds = RoundKeeper(meta, self.members, backend_bw=backend_bw, **options)
         return self._rounds
 
-    async def report(self, body: dict) -> dict:
+    async def report(self, report: Report) -> WritePlan | ReadPlan | Refused:
         """This node's file report for a group round; the round's answer (see ``RoundKeeper.report``)."""
-        return await self.rounds.report(self.node, body)
+        return await self.rounds.report(self.node, report)
 
     async def report_close(self, report) -> None:
         if report.group is None:

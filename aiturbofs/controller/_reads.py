@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from dataclasses import replace
 
 import trio
 
@@ -40,7 +41,8 @@ from .._limits import (
     READ_AHEAD_CHUNKS,
     READ_ROUND_WAIT_MAX_S,
 )
-from ._rounds import RoundKeeper, _Round
+from ..messages import FirstReader, ReadPlan
+from ._rounds import Planned, RoundKeeper, _Round
 
 AUTO_PREFIX = "auto:"  # the group of an untagged file's read round
 
@@ -57,10 +59,9 @@ class ReadRoundKeeper(RoundKeeper):
         # autogroup: group -> (its first reader, when it joined), oldest first, within the window
         self._first: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
 
-    def join(self, node: str, body: dict) -> dict:
-        """An untagged file opened for reading: is ``node`` its first reader within the window?"""
-        group = body.get("group")
-        if not isinstance(group, str) or not group.startswith(AUTO_PREFIX) or len(group.encode()) > GROUP_NAME_BYTES_MAX:
+    def join(self, node: str, group: str) -> FirstReader:
+        """An untagged file opened for reading (its ``group``): is ``node`` its first reader within the window?"""
+        if not group.startswith(AUTO_PREFIX) or len(group.encode()) > GROUP_NAME_BYTES_MAX:
             raise InvalidArgument(f"read_join: group must be an {AUTO_PREFIX}... name of at most {GROUP_NAME_BYTES_MAX} bytes")
         now = trio.current_time()
         while self._first and (len(self._first) > AUTOGROUP_CLAIMS_MAX
@@ -69,8 +70,8 @@ class ReadRoundKeeper(RoundKeeper):
         first = self._first.get(group)
         if first is None:
             self._first[group] = (node, now)
-            return {"first": True}
-        return {"first": first[0] == node}
+            return FirstReader(first=True)
+        return FirstReader(first=first[0] == node)
 
     def _window(self, group: str) -> float:
         return AUTOGROUP_WINDOW_S if group.startswith(AUTO_PREFIX) else self.window_s
@@ -89,7 +90,7 @@ class ReadRoundKeeper(RoundKeeper):
         fetched = (trio.current_time() - since) * members[node].snic_bw / CHUNK_BYTES
         return node, int(fetched) + 1 + READ_AHEAD_CHUNKS
 
-    async def _plan(self, rnd: _Round, members: dict) -> dict[tuple[str, int], dict]:
+    async def _plan(self, rnd: _Round, members: dict) -> dict[tuple[str, int], Planned]:
         files = list(rnd.reports.items())
         ring = list(dict.fromkeys(rep.node for _, rep in files))  # the round's readers, in report order
         readers: dict[bytes, list[str]] = {}
@@ -127,17 +128,18 @@ class ReadRoundKeeper(RoundKeeper):
             order = [n for n in ring if n in rs]
             i = order.index(head)
             chains[key] = order[i:] + order[:i]
-        common = {"round": rnd.name, "files": len(files), "readers": len(ring), "total_bytes": total,
-                  "unique_bytes": sum(lengths.values()), "fetch_bytes": dict(load)}
-        answers: dict[tuple[str, int], dict] = {}
+        common = ReadPlan(round=rnd.name, files=len(files), readers=len(ring), total_bytes=total,
+                          unique_bytes=sum(lengths.values()), fetch_bytes=dict(load))
+        answers: dict[tuple[str, int], Planned] = {}
         for file_key, rep in files:
-            chained = {str(i): chains[k] for i, k in enumerate(rep.keys) if k is not None}
-            answers[file_key] = {**common, "chains": chained}
+            chained = {str(i): tuple(chains[k]) for i, k in enumerate(rep.keys) if k is not None}
+            answers[file_key] = replace(common, chains=chained)
         return answers
 
-    def _record(self, group: str, a: dict) -> None:
+    def _record(self, group: str, a: Planned) -> None:
+        assert isinstance(a, ReadPlan), "read rounds are answered with read plans"
         g = self._count(group, a)
-        g.last = {"round": a["round"], "readers": a["readers"], "fetch_bytes": a["fetch_bytes"]}
+        g.last = {"round": a.round, "readers": a.readers, "fetch_bytes": a.fetch_bytes}
         self.plans += 1
         log.info("read_round_planned round=%s files=%d readers=%d bytes=%d unique=%d fetches=%s",
-                 a["round"], a["files"], a["readers"], a["total_bytes"], a["unique_bytes"], a["fetch_bytes"])
+                 a.round, a.files, a.readers, a.total_bytes, a.unique_bytes, a.fetch_bytes)

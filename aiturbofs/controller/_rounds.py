@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trio
 
@@ -46,11 +46,13 @@ from .._limits import (
     ROUND_WAIT_MAX_S,
     ROUND_WINDOW_S,
 )
+from ..messages import DurableSource, ReadPlan, Refused, RoundReport, WritePlan
 from ..planner import NodeSpec
 
 log = logging.getLogger(__name__)
 
 PLAN_MODES = ("lp", "dedup")  # see the module doc
+Planned = WritePlan | ReadPlan  # a file's answer in a planned round (write or read)
 
 
 @dataclass
@@ -67,40 +69,37 @@ class FileReport:
     have: frozenset[int] = frozenset()  # reads: chunk indices already in the reporting node's DRAM
 
 
-def parse_report(node: str, body: dict) -> tuple[str, FileReport]:
-    """``(group, FileReport)`` of a report body; ``InvalidArgument`` naming what is wrong."""
-    group = body.get("group")
-    if not isinstance(group, str) or not 1 <= len(group.encode()) <= GROUP_NAME_BYTES_MAX:
+def parse_report(node: str, report: RoundReport) -> tuple[str, FileReport]:
+    """``(group, FileReport)`` of a (read) report; ``InvalidArgument`` naming what is wrong.
+
+    The message's types are checked already (``messages.decode``); this checks what they hold.
+    """
+    group = report.group
+    if not 1 <= len(group.encode()) <= GROUP_NAME_BYTES_MAX:
         raise InvalidArgument(f"report: group must be a name of 1 to {GROUP_NAME_BYTES_MAX} bytes")
-    size = body.get("group_size")
-    if size is not None and not _int_in(size, 1, ROUND_FILES_MAX):
+    size = report.group_size
+    if size is not None and not 1 <= size <= ROUND_FILES_MAX:
         raise InvalidArgument(f"report: group_size must be null or 1..{ROUND_FILES_MAX}")
-    replicas = body.get("replicas", 1)
-    if not _int_in(replicas, 1, None):
+    if report.replicas < 1:
         raise InvalidArgument("report: replicas must be an integer >= 1")
-    f = body.get("file")
-    if not isinstance(f, dict) or not _int_in(f.get("ino"), 1, None) or not isinstance(f.get("path", ""), str):
+    f = report.file
+    if f.ino < 1:
         raise InvalidArgument("report: file must be an object with an ino >= 1 and a path")
-    chunks, lengths = f.get("chunks"), f.get("lengths")
-    if not isinstance(chunks, list) or not isinstance(lengths, list) or len(chunks) != len(lengths):
+    if len(f.chunks) != len(f.lengths):
         raise InvalidArgument("report: file.chunks and file.lengths must be lists of one length")
-    keys = []
-    for i, (hexkey, length) in enumerate(zip(chunks, lengths)):
+    keys: list[bytes | None] = []
+    for i, (hexkey, length) in enumerate(zip(f.chunks, f.lengths)):
         try:
             key = bytes.fromhex(hexkey)
-        except (TypeError, ValueError):
+        except ValueError:
             key = b""
-        if len(key) != HASH_BYTES or not _int_in(length, 1, CHUNK_BYTES):
-            raise InvalidArgument(f"report: chunk {i} of {f.get('path')!r}: want a 64-hex hash, 1..{CHUNK_BYTES} bytes")
+        if len(key) != HASH_BYTES or not 1 <= length <= CHUNK_BYTES:
+            raise InvalidArgument(f"report: chunk {i} of {f.path!r}: want a 64-hex hash, 1..{CHUNK_BYTES} bytes")
         keys.append(None if key == chunk.HOLE else key)  # a hole: nothing to store
-    have = f.get("have", [])
-    if not isinstance(have, list) or not all(_int_in(i, 0, len(keys) - 1) for i in have):
+    have = f.have or ()
+    if not all(0 <= i < len(keys) for i in have):
         raise InvalidArgument("report: file.have must be a list of chunk indices")
-    return group, FileReport(node, f["ino"], f.get("path", ""), keys, lengths, replicas, size, frozenset(have))
-
-
-def _int_in(v, lo: int, hi: int | None) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
+    return group, FileReport(node, f.ino, f.path, keys, list(f.lengths), report.replicas, size, frozenset(have))
 
 
 class _Round:
@@ -110,7 +109,7 @@ class _Round:
         self.deadline = deadline
         self.size = size  # the group size of its first report (None: close after the window)
         self.reports: dict[tuple[str, int], FileReport] = {}  # (node, ino) -> report, in report order
-        self.answers: dict[tuple[str, int], dict] = {}
+        self.answers: dict[tuple[str, int], Planned | Refused] = {}
         self.closed = trio.Event()  # no report joins it any more
         self.answered = trio.Event()
 
@@ -174,9 +173,9 @@ class RoundKeeper:
             self._planner = Planner()
         return self._planner
 
-    async def report(self, node: str, body: dict) -> dict:
+    async def report(self, node: str, report: RoundReport) -> Planned | Refused:
         """Add ``node``'s file report to its group's round; its answer once the round is planned."""
-        group, rep = parse_report(node, body)
+        group, rep = parse_report(node, report)
         rnd = self._open.get(group)
         if rnd is None:
             g = self._group(group)
@@ -203,7 +202,7 @@ class RoundKeeper:
                     self._group(group).short += 1
                 await self._close(rnd)
         await rnd.answered.wait()
-        return rnd.answers.get(key) or {"error": f"round {rnd.name}: report of {node}:{rep.path} was dropped"}
+        return rnd.answers.get(key) or Refused(error=f"round {rnd.name}: report of {node}:{rep.path} was dropped")
 
     def _full(self, rnd: _Round) -> bool:
         """Whether ``rnd`` closes now: it has its group size of files (or ROUND_FILES_MAX)."""
@@ -262,7 +261,7 @@ class RoundKeeper:
         for _ in range(ROUND_PLANS_MAX):
             members = {n: s if isinstance(s, NodeSpec) else NodeSpec(*s) for n, s in self.members.items()}
             for key in [k for k in rnd.reports if k[0] not in members]:
-                rnd.answers[key] = {"error": f"round {rnd.name}: node {key[0]} is not a live member"}
+                rnd.answers[key] = Refused(error=f"round {rnd.name}: node {key[0]} is not a live member")
                 del rnd.reports[key]
             if not rnd.reports:
                 return
@@ -283,9 +282,9 @@ class RoundKeeper:
                     rnd.name, len(rnd.reports), why)
         self._group(rnd.group).errors += 1
         for key in rnd.reports:
-            rnd.answers.setdefault(key, {"error": f"round {rnd.name} not planned: {why}"})
+            rnd.answers.setdefault(key, Refused(error=f"round {rnd.name} not planned: {why}"))
 
-    async def _plan(self, rnd: _Round, members: dict[str, NodeSpec]) -> dict[tuple[str, int], dict]:
+    async def _plan(self, rnd: _Round, members: dict[str, NodeSpec]) -> dict[tuple[str, int], Planned]:
         files = list(rnd.reports.items())
         chunks: dict[bytes, _Chunk] = {}
         total = 0
@@ -300,16 +299,16 @@ class RoundKeeper:
         pending = [k for k in chunks if k not in sources]
         nodes = list(members)
         replicas = min(max(rep.replicas for _, rep in files), len(nodes))
-        stage: list[list] = [[] for _ in files]
+        stage: list[list[tuple[int, str]]] = [[] for _ in files]
         persister: dict[bytes, str] = {}
-        figures = {"lp_bound_s": 0.0, "makespan_s": 0.0, "plan_s": 0.0, "cached": False}
+        lp_bound_s = makespan_s = plan_s = 0.0
+        cached = False
         if pending and self.plan_mode == "dedup":
             self._first_writers(pending, chunks, files, nodes, replicas, stage, persister)
         elif pending:
             plan = await trio.to_thread.run_sync(self.planner.plan, self._input(pending, chunks, members, replicas),
                                                  abandon_on_cancel=True)
-            figures = {"lp_bound_s": plan.lp_bound_s, "makespan_s": plan.makespan_s, "plan_s": plan.solve_s,
-                       "cached": plan.cached}
+            lp_bound_s, makespan_s, plan_s, cached = plan.lp_bound_s, plan.makespan_s, plan.solve_s, plan.cached
             for c, p in enumerate(plan.persister.tolist()):
                 persister[pending[c]] = nodes[p]
             sent: collections.Counter[str] = collections.Counter()
@@ -320,36 +319,39 @@ class RoundKeeper:
                     src = min(ch.writers, key=lambda n: sent[n])
                 sent[src] += ch.length
                 pos, idx = ch.writers[src]  # exactly one reporting file of the sender does the put
-                stage[pos].append([idx, nodes[dst]])
+                stage[pos].append((idx, nodes[dst]))
                 ch.dests.add(nodes[dst])
         unique = sum(c.length for c in chunks.values())
         durable = sum(chunks[k].length for k in sources)
-        common = {"round": rnd.name, "plan": self.plan_mode, "files": len(files), "replicas": replicas, **figures,
-                  "unique_bytes": unique, "total_bytes": total, "durable_bytes": durable}
-        answers: dict[tuple[str, int], dict] = {}
+        common = WritePlan(round=rnd.name, plan=self.plan_mode, files=len(files), replicas=replicas,
+                           lp_bound_s=lp_bound_s, makespan_s=makespan_s, plan_s=plan_s, cached=cached,
+                           unique_bytes=unique, total_bytes=total, durable_bytes=durable)
+        answers: dict[tuple[str, int], Planned] = {}
         for pos, (file_key, rep) in enumerate(files):
             holders: set[str] = set()
-            persist, copy, wait = {}, {}, []
+            persist: dict[str, str] = {}
+            copy: dict[str, DurableSource] = {}
+            wait: list[int] = []
             for idx, k in enumerate(rep.keys):
                 if k is None:
                     continue
                 ch = chunks[k]
                 holders.update(ch.writers, ch.dests)
                 if (src := sources.get(k)) is not None:
-                    copy[str(idx)] = {"backend_key": src.backend_key, "offset": src.offset, "length": src.length,
-                                      "etag": src.etag}
+                    copy[str(idx)] = DurableSource(backend_key=src.backend_key, offset=src.offset, length=src.length,
+                                                   etag=src.etag)
                 elif ch.first_file == pos:
                     persist[str(idx)] = persister[k]
                 else:
                     wait.append(idx)
             holders.discard(rep.node)
-            answers[file_key] = {**common, "stage": stage[pos], "holders": [rep.node, *sorted(holders)],
-                            "persist": persist, "copy": copy, "wait": wait}
+            answers[file_key] = replace(common, stage=tuple(stage[pos]), holders=(rep.node, *sorted(holders)),
+                                        persist=persist, copy=copy, wait=tuple(wait))
         return answers
 
     @staticmethod
     def _first_writers(pending: list[bytes], chunks: dict[bytes, _Chunk], files: list, nodes: list[str],
-                       replicas: int, stage: list[list], persister: dict[bytes, str]) -> None:
+                       replicas: int, stage: list[list[tuple[int, str]]], persister: dict[bytes, str]) -> None:
         """Dedup without a plan: the first file's node uploads each chunk and sends the missing replicas.
 
         The replica targets are the live nodes in the rendezvous order of the
@@ -367,33 +369,35 @@ class RoundKeeper:
                 continue
             order = chunk.rendezvous_order(rep.ino, (n for n in nodes if n not in ch.writers))
             for dst in order[:missing]:
-                stage[pos].append([idx, dst])
+                stage[pos].append((idx, dst))
                 ch.dests.add(dst)
 
-    def _count(self, group: str, a: dict) -> GroupStats:
+    def _count(self, group: str, a: Planned) -> GroupStats:
         """Add a planned round (its first answer, ``a``) to its group's figures."""
         g = self._group(group)
         g.rounds += 1
-        g.files += a["files"]
-        g.bytes += a["total_bytes"]
-        g.unique_bytes += a["unique_bytes"]
+        g.files += a.files
+        g.bytes += a.total_bytes
+        g.unique_bytes += a.unique_bytes
         return g
 
-    def _record(self, group: str, a: dict) -> None:
+    def _record(self, group: str, a: Planned) -> None:
+        assert isinstance(a, WritePlan), "write rounds are answered with write plans"
         g = self._count(group, a)
-        g.durable_bytes += a["durable_bytes"]
+        g.durable_bytes += a.durable_bytes
         self.plans += 1
-        self.plan_s_total += a["plan_s"]
-        self.makespan_s_total += a["makespan_s"]
-        g.last = {k: a[k] for k in ("round", "plan", "lp_bound_s", "makespan_s", "plan_s", "cached")}
-        if a["plan"] == "dedup":
+        self.plan_s_total += a.plan_s
+        self.makespan_s_total += a.makespan_s
+        g.last = {"round": a.round, "plan": a.plan, "lp_bound_s": a.lp_bound_s, "makespan_s": a.makespan_s,
+                  "plan_s": a.plan_s, "cached": a.cached}
+        if a.plan == "dedup":
             log.info("round_deduped round=%s files=%d bytes=%d unique=%d durable=%d plan=dedup "
-                     "(no LP: each unique chunk is uploaded by its first file's node)", a["round"], a["files"],
-                     a["total_bytes"], a["unique_bytes"], a["durable_bytes"])
+                     "(no LP: each unique chunk is uploaded by its first file's node)", a.round, a.files,
+                     a.total_bytes, a.unique_bytes, a.durable_bytes)
             return
         log.info("round_planned round=%s files=%d bytes=%d unique=%d durable=%d makespan_s=%.3f bound_s=%.3f "
-                 "solve_s=%.3f cached=%s", a["round"], a["files"], a["total_bytes"], a["unique_bytes"],
-                 a["durable_bytes"], a["makespan_s"], a["lp_bound_s"], a["plan_s"], "yes" if a["cached"] else "no")
+                 "solve_s=%.3f cached=%s", a.round, a.files, a.total_bytes, a.unique_bytes,
+                 a.durable_bytes, a.makespan_s, a.lp_bound_s, a.plan_s, "yes" if a.cached else "no")
 
     def _input(self, pending: list[bytes], chunks: dict[bytes, _Chunk], members: dict[str, NodeSpec],
                replicas: int):

@@ -1,8 +1,9 @@
 """The cluster controller: membership and group rounds, served over the fabric.
 
 ``ControllerServer`` answers the control messages of authenticated nodes
-(join, heartbeat, report, leave, status), declares nodes dead when their
-heartbeats stop, and runs the ``RoundKeeper``.  Membership is recorded in the
+(``messages.ToController``: join, heartbeat, report, read_report, read_join,
+leave, status), declares nodes dead when their heartbeats stop, and runs the
+``RoundKeeper``.  Membership is recorded in the
 metadata engine and loaded from it at start, so a restarted controller knows
 the cluster again; everything else is re-reported by the nodes.
 
@@ -17,7 +18,7 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import trio
 
@@ -33,13 +34,34 @@ from .._limits import (
 )
 from .._nursery import open_nursery
 from ..fabric import PeerInfo, TcpTransport, load_secret
+from ..messages import (
+    Answer,
+    ControllerStatus,
+    FirstReader,
+    FromNode,
+    Heartbeat,
+    Join,
+    Joined,
+    Leave,
+    Membership,
+    NodeListing,
+    Ok,
+    ReadJoin,
+    ReadReport,
+    Refused,
+    Report,
+    Status,
+    ToController,
+    decode,
+    encode,
+)
 from ..meta import NODE_ALIVE as ALIVE
 from ..meta import NODE_DEAD as DEAD
 from ..meta import NODE_LEFT as LEFT
 from ..meta import open_meta
 from ..planner import NodeSpec, Planner
 from ._reads import ReadRoundKeeper
-from ._rounds import PLAN_MODES, RoundKeeper
+from ._rounds import PLAN_MODES, Planned, RoundKeeper
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +77,12 @@ class _Node:
     info: dict  # the bandwidths and free DRAM it reported (_SPEC_FIELDS)
     seen_s: float  # trio clock of its last join or heartbeat
 
-    def listing(self) -> dict:
-        return {"node": self.name, "fabric": self.fabric, "state": self.state}
+    def listing(self) -> NodeListing:
+        return NodeListing(node=self.name, fabric=self.fabric, state=self.state)
 
 
 def _spec(info: dict) -> NodeSpec:
-    """A node's planner figures from a join body or a stored info; ``InvalidArgument`` if malformed."""
+    """A node's planner figures from a join's figures or a stored info; ``InvalidArgument`` if malformed."""
     vals = [
         v for k in _SPEC_FIELDS
         if isinstance(v := info.get(k), (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
@@ -107,70 +129,90 @@ class ControllerServer:
         return False
 
     async def control(self, peer: PeerInfo, body: dict) -> dict:
-        op = body.get("op")
-        if op == "status":
-            return self.status()
-        if op not in ("join", "heartbeat", "report", "read_report", "read_join", "leave"):
-            raise InvalidArgument(f"unknown controller op {op!r}")
-        if body.get("node") != peer.node:
-            log.warning("%s from %s at %s claims to be node %r: refused", op, peer.node, peer.address, body.get("node"))
-            raise NotPermitted(f"{op}: authenticated as {peer.node!r}, not {body.get('node')!r}")
-        return await getattr(self, f"_{op}")(peer.node, body)
+        request = decode(body, ToController)  # MalformedMessage: this request fails, the others go on
+        if isinstance(request, Status):
+            return encode(self.status())
+        if not isinstance(request, FromNode):
+            raise InvalidArgument(f"unknown controller op {request.op!r}")
+        if request.node != peer.node:
+            log.warning("%s from %s at %s claims to be node %r: refused", request.op, peer.node, peer.address,
+                        request.node)
+            raise NotPermitted(f"{request.op}: authenticated as {peer.node!r}, not {request.node!r}")
+        return encode(await self._answer(request))
+
+    async def _answer(self, request: FromNode) -> Answer:
+        match request:
+            case Join():
+                return await self._join(request)
+            case Heartbeat():
+                return await self._heartbeat(request)
+            case Report():
+                return await self._report(request)
+            case ReadReport():
+                return await self._read_report(request)
+            case ReadJoin():
+                return self._read_join(request)
+            case Leave():
+                return await self._leave(request)
+        raise InvalidArgument(f"unknown controller op {request.op!r}")
 
     # ------------------------------------------------------------------ ops
-    async def _join(self, name: str, body: dict) -> dict:
-        spec, fabric = _spec(body), body.get("fabric")
-        if not isinstance(fabric, str) or not fabric:
+    async def _join(self, join: Join) -> Joined:
+        name = join.node
+        info = {"send_bw": join.send_bw, "recv_bw": join.recv_bw, "snic_bw": join.snic_bw, "dram_free": join.dram_free}
+        spec = _spec(info)
+        if not join.fabric:
             raise InvalidArgument("join: fabric must be the node's host:port")
         if name not in self.nodes and len(self.nodes) >= NODES_MAX:
             raise NoSpace(f"join: the controller tracks {NODES_MAX} nodes already")
-        info = {k: body[k] for k in _SPEC_FIELDS}
-        await self.meta.upsert_node(name, fabric, info, time.time_ns())
+        await self.meta.upsert_node(name, join.fabric, info, time.time_ns())
         rejoin = name in self.nodes
-        self.nodes[name] = _Node(name, fabric, ALIVE, info, trio.current_time())
+        self.nodes[name] = _Node(name, join.fabric, ALIVE, info, trio.current_time())
         self.members[name] = spec
-        log.info("node_%s node=%s fabric=%s", "rejoined" if rejoin else "joined", name, fabric)
-        return {"ok": True, "heartbeat_s": self.heartbeat_s, "nodes": [n.listing() for n in self.nodes.values()]}
+        log.info("node_%s node=%s fabric=%s", "rejoined" if rejoin else "joined", name, join.fabric)
+        return Joined(ok=True, heartbeat_s=self.heartbeat_s, nodes=tuple(n.listing() for n in self.nodes.values()))
 
-    async def _heartbeat(self, name: str, body: dict) -> dict:
+    async def _heartbeat(self, beat: Heartbeat) -> Membership | Refused:
+        name = beat.node
         node = self.nodes.get(name)
         if node is None or name not in self.members:
-            return {"error": "not joined"}
+            return Refused(error="not joined")
         node.seen_s = trio.current_time()
-        if body.get("dram_free") is not None:
-            info = {**node.info, "dram_free": body["dram_free"]}
+        if beat.dram_free is not None:
+            info = {**node.info, "dram_free": beat.dram_free}
             self.members[name], node.info = _spec(info), info
-        summary = body.get("summary")
-        if isinstance(summary, dict) and len(json.dumps(summary)) <= STATUS_SUMMARY_BYTES_MAX:
-            node.info = {**node.info, "summary": summary}  # what `aiturbo status` shows of it
+        if beat.summary is not None and len(json.dumps(beat.summary)) <= STATUS_SUMMARY_BYTES_MAX:
+            node.info = {**node.info, "summary": beat.summary}  # what `aiturbo status` shows of it
         await self.meta.node_heartbeat(name, time.time_ns(), node.info)
-        return {"nodes": [n.listing() for n in self.nodes.values() if n.state == ALIVE],
-                "dead": [n.name for n in self.nodes.values() if n.state == DEAD]}
+        return Membership(nodes=tuple(n.listing() for n in self.nodes.values() if n.state == ALIVE),
+                          dead=tuple(n.name for n in self.nodes.values() if n.state == DEAD))
 
-    async def _report(self, name: str, body: dict) -> dict:
-        if name not in self.members:
-            return {"error": "not joined"}
-        return await self.rounds.report(name, body)
+    async def _report(self, report: Report) -> Planned | Refused:
+        if report.node not in self.members:
+            return Refused(error="not joined")
+        return await self.rounds.report(report.node, report)
 
-    async def _read_report(self, name: str, body: dict) -> dict:
-        if name not in self.members:
-            return {"error": "not joined"}
-        return await self.reads.report(name, body)
+    async def _read_report(self, report: ReadReport) -> Planned | Refused:
+        if report.node not in self.members:
+            return Refused(error="not joined")
+        return await self.reads.report(report.node, report)
 
-    async def _read_join(self, name: str, body: dict) -> dict:
-        if name not in self.members:
-            return {"error": "not joined"}
-        return self.reads.join(name, body)
+    def _read_join(self, join: ReadJoin) -> FirstReader | Refused:
+        if join.node not in self.members:
+            return Refused(error="not joined")
+        return self.reads.join(join.node, join.group)
 
-    async def _leave(self, name: str, body: dict) -> dict:
+    async def _leave(self, leave: Leave) -> Ok:
+        name = leave.node
         if name in self.nodes and self.nodes[name].state == ALIVE:
             await self._retire(name, LEFT, "left the cluster")
-        return {"ok": True}
+        return Ok()
 
-    def status(self) -> dict:
+    def status(self) -> ControllerStatus:
         now = trio.current_time()
-        nodes = [{**n.listing(), **n.info, "seen_s_ago": round(now - n.seen_s, 3)} for n in self.nodes.values()]
-        return {"nodes": nodes, "groups": self.rounds.stats(), "read_groups": self.reads.stats()}
+        nodes = tuple({**asdict(n.listing()), **n.info, "seen_s_ago": round(now - n.seen_s, 3)}
+                      for n in self.nodes.values())
+        return ControllerStatus(nodes=nodes, groups=self.rounds.stats(), read_groups=self.reads.stats())
 
     # ------------------------------------------------------------------ membership
     async def _load(self) -> None:
