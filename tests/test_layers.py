@@ -50,6 +50,14 @@ def test_vfs_and_controller_never_import_each_other(tmp_path):
     assert "aiturbofs.controller is not allowed to import aiturbofs.vfs" in run.stdout, run.stdout
 
 
+def test_the_controller_importing_the_data_path_breaks_a_contract(tmp_path):
+    root = _copy_of_the_tree(tmp_path)
+    (root / "aiturbofs" / "controller" / "_probe.py").write_text("from ..staging import StagingPool  # noqa: F401\n")
+    run = _lint_imports(root)
+    assert run.returncode != 0
+    assert "aiturbofs.controller is not allowed to import aiturbofs.staging" in run.stdout, run.stdout
+
+
 def test_pyfuse3_below_the_fuse_edge_breaks_a_contract(tmp_path):
     root = _copy_of_the_tree(tmp_path)
     (root / "aiturbofs" / "vfs" / "_probe.py").write_text("import pyfuse3  # noqa: F401\n")
