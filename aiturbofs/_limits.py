@@ -145,7 +145,8 @@ META_PG_CONNECTIONS = 4  # postgresql: connections (and worker threads) per stor
 META_PG_TX_ATTEMPTS_MAX = 20  # postgresql: runs of one transaction that keeps losing serialization conflicts
 META_PG_RETRY_BACKOFF_FIRST_S = 0.002  # postgresql: jittered backoff before the 2nd run, doubling...
 META_PG_RETRY_BACKOFF_MAX_S = 0.2  # ...up to this
-META_PG_CONNECT_TIMEOUT_S = 10  # postgresql: libpq connect_timeout (whole seconds)
+META_PG_CONNECT_TIMEOUT_S = 10  # postgresql: libpq connect_timeout (whole seconds); a call's wait for a connection
+META_PG_RECONNECT_S = 10.0  # postgresql: the pool replaces a lost connection in the background this long (1 s doubling), then leaves it to the next call
 META_PG_STATEMENT_TIMEOUT_S = 30.0  # postgresql: one statement, lock waits included
 META_PG_KEEPALIVE_S = 5  # postgresql: TCP keepalive idle/interval; a silent server is dropped after ~4x this
 

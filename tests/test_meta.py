@@ -20,6 +20,7 @@ from pgserver import PgServer, free_port, pg_server  # noqa: F401  (pg_server is
 from aiturbofs import _errors as err
 from aiturbofs._limits import (
     META_KEYS_PER_STATEMENT_MAX,
+    META_PG_CONNECTIONS,
     NAME_BYTES_MAX,
     SYMLINK_TARGET_BYTES_MAX,
     XATTR_NAME_BYTES_MAX,
@@ -1185,7 +1186,7 @@ class TestPostgres(MetaConformance):
             async with trio.open_nursery() as nursery:
                 for _ in range(8):
                     nursery.start_soon(store.get_inode, f.ino)
-            if len(store._idle) >= 2:
+            if store._pool.get_stats()["pool_available"] >= 2:
                 break
         with psycopg.connect(meta_url, autocommit=True) as admin:  # a server restart, in effect
             (killed,) = admin.execute(
@@ -1198,6 +1199,63 @@ class TestPostgres(MetaConformance):
         assert type(caught.value) is err.MetaUnavailable and caught.value.errno == errno.EIO
         assert "connection lost" in str(caught.value)
         assert (await store.get_inode(f.ino)).ino == f.ino  # reconnected
+
+    @trio_test
+    async def test_a_connection_lost_mid_call_is_not_used_again(self, store, meta_url):
+        import psycopg
+
+        await store.stats()
+        pids: list[int] = []
+
+        def lost_on_first_run(tx):
+            (pid,) = tx.one("SELECT pg_backend_pid()")
+            pids.append(pid)
+            if len(pids) == 1:  # the server drops this session in the middle of the transaction
+                with psycopg.connect(meta_url, autocommit=True) as admin:
+                    admin.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+                tx.one("SELECT 1")
+            return (0, 0)
+
+        store._tx_stats = lost_on_first_run
+        with pytest.raises(err.MetaUnavailable, match="connection lost"):
+            await store.stats()
+        for _ in range(5):  # every connection the pool holds, several times
+            async with trio.open_nursery() as nursery:
+                for _ in range(8):
+                    nursery.start_soon(store.stats)
+        assert len(pids) == 1 + 5 * 8 and pids[0] not in pids[1:]
+        assert store._pool.get_stats()["pool_size"] <= META_PG_CONNECTIONS
+
+    def test_a_restarted_server_is_connected_to_again(self, monkeypatch):
+        from aiturbofs.meta import _postgres
+
+        monkeypatch.setattr(_postgres, "META_PG_CONNECT_TIMEOUT_S", 1.0)  # a call's wait while it is down
+        with PgServer() as pg:
+
+            async def main():
+                store = await open_store(pg.url)
+                try:
+                    f = await store.create(ROOT_INO, b"f", file_row())
+                    pg.kill()
+                    with pytest.raises(err.MetaUnavailable, match="connection lost"):
+                        await store.get_inode(f.ino)
+                    t0 = trio.current_time()
+                    with pytest.raises(err.MetaUnavailable, match="cannot connect"):
+                        await store.get_inode(f.ino)  # down: the pool cannot hand out a connection
+                    assert trio.current_time() - t0 < 1.0 + 0.5
+                    pg.start_again()
+                    with trio.fail_after(30):
+                        while True:  # the pool reconnects within its backoff, or the next call asks again
+                            try:
+                                assert (await store.get_inode(f.ino)).ino == f.ino
+                                break
+                            except err.MetaUnavailable:
+                                await trio.sleep(0.2)
+                    assert (await store.create(ROOT_INO, b"g", file_row())).ino > f.ino
+                finally:
+                    await store.close()
+
+            trio.run(main)
 
     @trio_test
     async def test_gives_up_after_bounded_conflicts(self, store, monkeypatch):

@@ -1,12 +1,15 @@
 """The PostgreSQL metadata engine: one database shared by the daemons of a cluster.
 
 This module owns the psycopg connections of one store, the transaction
-boundaries and their retries; all SQL lives in ``_sql``.  A store keeps up
-to ``META_PG_CONNECTIONS`` connections, each used by one worker thread at a
-time (the capacity limiter guarantees it), opened on first need: with a
-cluster's round trips, one connection would hold every FUSE request of a
-node behind the one in flight.  The server's ``max_connections`` must allow
-that many per daemon.
+boundaries and their retries; all SQL lives in ``_sql``.  A store's
+connections are a ``psycopg_pool.ConnectionPool`` of at most
+``META_PG_CONNECTIONS``, each used by one worker thread at a time (the
+capacity limiter lets no more threads in than the pool holds, so a call
+never waits for another's connection): with a cluster's round trips, one
+connection would hold every FUSE request of a node behind the one in
+flight.  The pool keeps one connection open and opens the others, in its
+own thread, when calls need them.  The server's ``max_connections`` must
+allow that many per daemon.
 
 Isolation: every public method is ONE transaction at SERIALIZABLE.  The
 bodies in ``_sql`` check, then change ("is the name free? insert it"); when
@@ -35,13 +38,22 @@ taken before it, the transaction COMMITs, and only a successful commit lets
 the error through; a failed one runs the body again.  Read-only methods run
 ``READ ONLY`` and commit the same way.
 
-Connections: a lost connection (server restart, network, an administrator's
-``pg_terminate_backend``) makes the call fail with a transient
-``AiturboError`` (EIO) and the connection is dropped; the next call opens a
-new one.  A connection lost during COMMIT leaves the outcome unknown: the
-caller sees EIO although the change may have been applied.  Statements
-(lock waits included) time out after ``META_PG_STATEMENT_TIMEOUT_S``; TCP
-keepalives notice a server that went silent.  Settings given in the URL
+Connections: ``init`` connects once itself, so that a server that refuses
+(down, a wrong password, no such database) fails it at once with the
+server's own reason; the pool would only time out.  A lost connection
+(server restart, network, an administrator's ``pg_terminate_backend``)
+makes the call fail with a transient ``AiturboError`` (EIO).  The pool
+never hands it out again (it discards a connection that comes back
+closed), and the idle ones, which went down with it, are drained; the
+pool opens new ones in its thread, retrying with backoff for
+``META_PG_RECONNECT_S``, after which the next call that needs one asks
+again.  A call waits at most ``META_PG_CONNECT_TIMEOUT_S`` for a
+connection, then fails with EIO: while the server is down a call takes
+that long to fail, and a restart shorter than that is ridden out.  A
+connection lost during COMMIT leaves the outcome unknown: the caller sees
+EIO although the change may have been applied.  Statements (lock waits
+included) time out after ``META_PG_STATEMENT_TIMEOUT_S``; TCP keepalives
+notice a server that went silent.  Settings given in the URL
 (``?connect_timeout=...``) win over these defaults.
 
 Durability: every commit waits for the server's WAL flush (the server's
@@ -56,10 +68,11 @@ and never hand out a number twice, also not for transactions that aborted.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import random
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -67,18 +80,24 @@ import trio
 from psycopg import errors as pgerr
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import TransactionStatus
+from psycopg_pool import ConnectionPool
 
 from .. import _errors as err
 from .._limits import (
     META_PG_CONNECT_TIMEOUT_S,
     META_PG_CONNECTIONS,
     META_PG_KEEPALIVE_S,
+    META_PG_RECONNECT_S,
     META_PG_RETRY_BACKOFF_FIRST_S,
     META_PG_RETRY_BACKOFF_MAX_S,
     META_PG_STATEMENT_TIMEOUT_S,
     META_PG_TX_ATTEMPTS_MAX,
 )
 from ._sql import SqlMetaStore, Tx
+
+# The pool logs every checkout and return at INFO; a daemon's log wants only
+# its warnings (a connect that failed, a connection it discarded).
+logging.getLogger("psycopg.pool").setLevel(logging.WARNING)
 
 # Errors after which the same transaction, run again, may well succeed.
 _CONFLICTS = (pgerr.SerializationFailure, pgerr.DeadlockDetected, pgerr.UniqueViolation)
@@ -139,9 +158,7 @@ class PostgresMetaStore(SqlMetaStore):
         self._connect_kwargs: dict[str, Any] = {k: v for k, v in _CONNECT_DEFAULTS.items() if k not in params}
         host, port, db = params.get("host", ""), params.get("port", ""), params.get("dbname", "")
         self._where = f"{host or 'localhost'}{':' + port if port else ''}/{db}"
-        self._idle: list[psycopg.Connection] = []  # connections no thread is using
-        self._closed = False  # close() ran: a connection handed back is closed, not kept
-        self._lock = threading.Lock()  # guards _idle and _closed (worker threads)
+        self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None  # from init() to close()
 
     def __repr__(self) -> str:
         return f"PostgresMetaStore({self._where!r})"
@@ -149,44 +166,61 @@ class PostgresMetaStore(SqlMetaStore):
     # --- connections -------------------------------------------------------------------
 
     def _connect(self) -> None:
-        self._release(self._open())  # fail at init, not at the first operation
-
-    def _open(self) -> psycopg.Connection:
+        # The pool connects in its own thread and retries: a server that
+        # refuses would show only as a timeout.  One connection of our own
+        # gives init the server's reason at once; the pool opens its own.
+        probe = self._open()
         try:
-            conn = psycopg.connect(self.url, autocommit=True, **self._connect_kwargs)
+            self._configure(probe)
+        finally:
+            probe.close()
+        # A closed pool cannot be opened again: a store that init()s after close() gets a new one.
+        self._pool = ConnectionPool(
+            self.url,
+            kwargs={"autocommit": True, **self._connect_kwargs},
+            min_size=1,
+            max_size=META_PG_CONNECTIONS,
+            open=False,
+            configure=self._configure,
+            name=f"aiturbofs-meta {self._where}",
+            timeout=META_PG_CONNECT_TIMEOUT_S,
+            reconnect_timeout=META_PG_RECONNECT_S,
+        )
+        self._pool.open(wait=False)
+
+    def _open(self) -> psycopg.Connection[Any]:
+        try:
+            return psycopg.connect(self.url, autocommit=True, **self._connect_kwargs)
         except psycopg.Error as exc:
             raise err.MetaUnavailable(f"metadata database {self._where}: cannot connect: {exc}") from exc
+
+    def _configure(self, conn: psycopg.Connection[Any]) -> None:
+        """The settings of every new connection (the pool calls this too)."""
         try:
             timeout_ms = int(META_PG_STATEMENT_TIMEOUT_S * 1000)
             conn.execute(f"SET statement_timeout = {timeout_ms}", prepare=False)
         except psycopg.Error as exc:
-            conn.close()
+            conn.close()  # the pool would not: it only retries
             raise err.AiturboError(f"metadata database {self._where}: {exc}") from exc
-        return conn
-
-    def _acquire(self) -> psycopg.Connection:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return self._open()
-
-    def _release(self, conn: psycopg.Connection) -> None:
-        with self._lock:
-            if not (conn.closed or conn.broken or self._closed):
-                self._idle.append(conn)
-                return
-        conn.close()
-
-    def _drop_idle(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
 
     def _disconnect(self) -> None:
-        with self._lock:
-            self._closed = True
-        self._drop_idle()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()  # connections in use are closed when they come back
+
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A connection of the pool for one transaction; back to it after (broken: discarded)."""
+        pool = self._pool  # close() may drop it meanwhile: this one takes the connection back
+        assert pool is not None, "MetaStore.init() was not called, or close() was"
+        try:
+            conn = pool.getconn()
+        except psycopg.OperationalError as exc:  # PoolTimeout; PoolClosed: close() ran while this call waited
+            raise err.MetaUnavailable(f"metadata database {self._where}: cannot connect: {exc}") from exc
+        try:
+            yield conn
+        finally:
+            pool.putconn(conn)  # a closed or broken one is not kept; a closed pool closes it
 
     # --- transactions -------------------------------------------------------------------
 
@@ -207,9 +241,8 @@ class PostgresMetaStore(SqlMetaStore):
         keys = sorted(set(dirs))  # one order for every daemon: two renames never deadlock
         delay = META_PG_RETRY_BACKOFF_FIRST_S
         for attempt in range(1, META_PG_TX_ATTEMPTS_MAX + 1):
-            conn = self._acquire()
             try:
-                return self._attempt(conn, body, args, begin, write, keys)
+                return self._run_once(body, args, begin, write, keys)
             except _CONFLICTS as exc:
                 if attempt == META_PG_TX_ATTEMPTS_MAX:
                     if isinstance(exc, pgerr.UniqueViolation):
@@ -218,16 +251,23 @@ class PostgresMetaStore(SqlMetaStore):
                         f"metadata database {self._where}: transaction lost {attempt} conflicts"
                         f" with other writers in a row: {exc}"
                     ) from exc
-            except psycopg.Error as exc:
-                mapped = self._operating_error(conn, exc)
-                if mapped is exc:
-                    raise
-                raise mapped from exc
-            finally:
-                self._release(conn)
             time.sleep(random.uniform(0, delay))  # outside the transaction, no locks held
             delay = min(2 * delay, META_PG_RETRY_BACKOFF_MAX_S)
         raise AssertionError("unreachable")
+
+    def _run_once(self, body: Callable[..., Any], args: tuple, begin: str, write: bool, dirs: list[int]) -> Any:
+        """``_attempt`` on a connection of the pool: a conflict is raised as it is, for
+        the caller to run the body again; other database errors as ``_errors`` classes."""
+        with self._connection() as conn:
+            try:
+                return self._attempt(conn, body, args, begin, write, dirs)
+            except _CONFLICTS:
+                raise
+            except psycopg.Error as exc:
+                mapped = self._operating_error(conn, exc)  # while the connection is still ours
+                if mapped is exc:
+                    raise
+                raise mapped from exc
 
     def _attempt(
         self,
@@ -285,8 +325,10 @@ class PostgresMetaStore(SqlMetaStore):
         """The ``_errors`` class for a database error, or ``exc`` itself for a bug."""
         state = exc.sqlstate or ""
         if conn.broken or conn.closed:
-            conn.close()
-            self._drop_idle()  # they went down with it (server restart): reopen all on demand
+            conn.close()  # the pool discards it when it comes back
+            pool = self._pool
+            if pool is not None:
+                pool.drain()  # the idle ones went down with it (server restart): the pool opens new ones
             return err.MetaUnavailable(f"metadata database {self._where}: connection lost: {exc}")
         if isinstance(exc, pgerr.DiskFull):
             return err.NoSpace(f"metadata database {self._where}: {exc}")
