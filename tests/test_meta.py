@@ -1279,6 +1279,34 @@ class TestPostgres(MetaConformance):
         assert await store.stats() == (1, 0)  # the connection is fine
 
     @trio_test
+    async def test_only_conflicts_run_a_transaction_again(self, store):
+        import psycopg
+
+        runs = []
+
+        def conflicts_twice(tx):
+            runs.append(1)
+            tx.one("SELECT 1")
+            if len(runs) <= 2:
+                raise psycopg.errors.DeadlockDetected("simulated")
+            return (7, 0)
+
+        store._tx_stats = conflicts_twice
+        assert await store.stats() == (7, 0) and len(runs) == 3
+        runs.clear()
+
+        def bad_sql(tx):
+            runs.append(1)
+            tx.one("SELECT * FROM no_such_table")
+
+        store._tx_stats = bad_sql
+        with pytest.raises(psycopg.errors.UndefinedTable):  # a bug in our SQL: as it is, at once
+            await store.stats()
+        assert len(runs) == 1
+        del store._tx_stats
+        assert await store.stats() == (1, 0)
+
+    @trio_test
     async def test_directory_locks_are_released(self, store, meta_url):
         import psycopg
 
@@ -1329,6 +1357,24 @@ class TestPostgres(MetaConformance):
         finally:
             for s in stores:
                 await s.close()
+
+
+def test_postgres_conflict_backoff_is_full_jitter_within_the_limits():
+    pytest.importorskip("psycopg")
+    from tenacity import RetryCallState
+
+    from aiturbofs._limits import META_PG_RETRY_BACKOFF_FIRST_S, META_PG_RETRY_BACKOFF_MAX_S, META_PG_TX_ATTEMPTS_MAX
+
+    retries = open_meta("postgresql://h/db")._conflict_retries  # not connected: only its policy is looked at
+    for n in range(1, META_PG_TX_ATTEMPTS_MAX):
+        state = RetryCallState(retries, fn=None, args=(), kwargs={})
+        state.attempt_number = n
+        high = min(META_PG_RETRY_BACKOFF_FIRST_S * 2 ** (n - 1), META_PG_RETRY_BACKOFF_MAX_S)
+        waits = [retries.wait(state) for _ in range(200)]
+        assert all(0 <= w <= high for w in waits) and max(waits) > high / 2, (n, high, max(waits))
+        assert not retries.stop(state)
+    state.attempt_number = META_PG_TX_ATTEMPTS_MAX
+    assert retries.stop(state)
 
 
 @pytest.mark.parametrize(

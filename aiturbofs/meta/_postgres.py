@@ -70,8 +70,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -81,6 +79,7 @@ from psycopg import errors as pgerr
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_random_exponential
 
 from .. import _errors as err
 from .._limits import (
@@ -101,6 +100,13 @@ logging.getLogger("psycopg.pool").setLevel(logging.WARNING)
 
 # Errors after which the same transaction, run again, may well succeed.
 _CONFLICTS = (pgerr.SerializationFailure, pgerr.DeadlockDetected, pgerr.UniqueViolation)
+
+
+
+def _conflicts_exhausted(state: RetryCallState) -> bool:
+    """The transaction ran META_PG_TX_ATTEMPTS_MAX times (the limit as it is now, not at import)."""
+    return state.attempt_number >= META_PG_TX_ATTEMPTS_MAX
+
 
 # SQLSTATE classes that are operating conditions, not bugs in our SQL:
 # connection, insufficient resources, operator intervention (statement
@@ -159,6 +165,17 @@ class PostgresMetaStore(SqlMetaStore):
         host, port, db = params.get("host", ""), params.get("port", ""), params.get("dbname", "")
         self._where = f"{host or 'localhost'}{':' + port if port else ''}/{db}"
         self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None  # from init() to close()
+        # A transaction that lost a conflict runs again after a jittered
+        # backoff ("full jitter": uniform(0, first x 2^n), capped), outside
+        # the transaction, no locks held.  One per store: tenacity keeps a
+        # run's state per thread, and a worker thread runs one transaction at
+        # a time.
+        self._conflict_retries = Retrying(
+            stop=_conflicts_exhausted,
+            wait=wait_random_exponential(multiplier=META_PG_RETRY_BACKOFF_FIRST_S, max=META_PG_RETRY_BACKOFF_MAX_S),
+            retry=retry_if_exception_type(_CONFLICTS),
+            reraise=True,
+        )
 
     def __repr__(self) -> str:
         return f"PostgresMetaStore({self._where!r})"
@@ -239,20 +256,17 @@ class PostgresMetaStore(SqlMetaStore):
         isolation = "READ COMMITTED" if body == self._tx_init else "SERIALIZABLE"
         begin = _begin(isolation, write)
         keys = sorted(set(dirs))  # one order for every daemon: two renames never deadlock
-        delay = META_PG_RETRY_BACKOFF_FIRST_S
-        for attempt in range(1, META_PG_TX_ATTEMPTS_MAX + 1):
-            try:
-                return self._run_once(body, args, begin, write, keys)
-            except _CONFLICTS as exc:
-                if attempt == META_PG_TX_ATTEMPTS_MAX:
-                    if isinstance(exc, pgerr.UniqueViolation):
-                        raise  # the same row again and again: our SQL, not a race
-                    raise err.AiturboError(
-                        f"metadata database {self._where}: transaction lost {attempt} conflicts"
-                        f" with other writers in a row: {exc}"
-                    ) from exc
-            time.sleep(random.uniform(0, delay))  # outside the transaction, no locks held
-            delay = min(2 * delay, META_PG_RETRY_BACKOFF_MAX_S)
+        try:
+            for attempt in self._conflict_retries:
+                with attempt:
+                    return self._run_once(body, args, begin, write, keys)
+        except _CONFLICTS as exc:  # lost every run
+            if isinstance(exc, pgerr.UniqueViolation):
+                raise  # the same row again and again: our SQL, not a race
+            raise err.AiturboError(
+                f"metadata database {self._where}: transaction lost {META_PG_TX_ATTEMPTS_MAX} conflicts"
+                f" with other writers in a row: {exc}"
+            ) from exc
         raise AssertionError("unreachable")
 
     def _run_once(self, body: Callable[..., Any], args: tuple, begin: str, write: bool, dirs: list[int]) -> Any:
