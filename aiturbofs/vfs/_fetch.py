@@ -19,6 +19,7 @@ import random
 from typing import TYPE_CHECKING, Protocol
 
 import trio
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
 
 from .. import chunk
 from .._errors import BackendNotFound, BackendUnreachable, IntegrityError, TransientBackendError
@@ -40,6 +41,15 @@ if TYPE_CHECKING:
     from ._inodes import InodeTable
 
 log = logging.getLogger(__name__)
+
+
+def _read_backoff_s(state: RetryCallState) -> float:
+    """The backoff after try ``state.attempt_number``: READ_RETRY_FIRST_S, doubling."""
+    return READ_RETRY_FIRST_S * 2 ** (state.attempt_number - 1)
+
+
+def _read_wait_s(state: RetryCallState) -> float:
+    return _read_backoff_s(state) * random.uniform(1.0 - PERSIST_BACKOFF_JITTER, 1.0)  # jittered like persist retries
 
 
 class FetchHost(Protocol):
@@ -133,17 +143,25 @@ class ChunkFetcher:
         return data
 
     async def _read_with_retries(self, key: str, offset: int, length: int, attempts: int, if_etag: str | None) -> bytes:
-        backoff = READ_RETRY_FIRST_S
-        for attempt in range(1, attempts + 1):
-            try:
+        def note_retry(state: RetryCallState) -> None:
+            assert state.outcome is not None
+            self.read_retries += 1
+            log.info("read_retry key=%s offset=%d error=%r retry_in_s=%.1f",
+                     key, offset, str(state.outcome.exception()), _read_backoff_s(state))
+
+        # One per read: tenacity keeps an async run's state on the object, and
+        # every task of the trio thread would share one.
+        retries = AsyncRetrying(
+            stop=stop_after_attempt(attempts),
+            wait=_read_wait_s,
+            retry=retry_if_exception_type(TransientBackendError),
+            before_sleep=note_retry,
+            sleep=trio.sleep,
+            reraise=True,  # the last error as it is, not a RetryError
+        )
+        async for attempt in retries:
+            with attempt:
                 return await self.fs.backend.read_range(key, offset, length, if_etag=if_etag)
-            except TransientBackendError as exc:
-                if attempt == attempts:
-                    raise
-                self.read_retries += 1
-                log.info("read_retry key=%s offset=%d error=%r retry_in_s=%.1f", key, offset, str(exc), backoff)
-                await trio.sleep(backoff * random.uniform(1.0 - PERSIST_BACKOFF_JITTER, 1.0))  # jittered like persist retries
-                backoff *= 2
         raise AssertionError("unreachable")
 
     async def read_verified(self, backend_keys: list[str], index: int, key: bytes, length: int) -> bytes:
