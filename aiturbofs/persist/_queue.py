@@ -369,6 +369,12 @@ class Persister:
                 self.enqueue(row.ino)
 
     async def _persist_with_retry(self, ino: int) -> None:
+        # A loop of its own, not tenacity like the reader's and the PostgreSQL
+        # engine's retries: its backoff ends early when another file gets
+        # through (``_backend_answers``), the retry window bounds backend
+        # errors only (the metadata engine is waited for however long), and
+        # each error ends its own way.  In tenacity each of those would be a
+        # hook (sleep, stop, retry) reading the last error back.
         deadline = time.monotonic() + self.host.options.persist_retry_window_s
         backoff = PERSIST_BACKOFF_FIRST_S
         while True:
