@@ -27,8 +27,11 @@ from .._limits import (
     WAIT_POLL_S,
 )
 from .._nursery import open_nursery
+from .._version import VersionAction
 
 STATE_XATTR = "user.aiturbo.state"
+# Commands for tests: they work, but ``aiturbo --help`` does not list them (``_test_parser``).
+TEST_COMMANDS = frozenset({"debug-fault"})
 
 
 def _files(paths: list[str]) -> list[tuple[str, int]]:
@@ -395,6 +398,7 @@ def cmd_controller(args) -> int:
 def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The ``aiturbo`` parser and its ``controller`` subparser (whose flags a config file may set)."""
     p = argparse.ArgumentParser(prog="aiturbo", description="Operate aiturbofs mounts.")
+    p.add_argument("-V", "--version", action=VersionAction)
     sub = p.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("wait", help="block until files are durable in the backend, with progress")
     w.add_argument("paths", nargs="+", help="files or directories on an aiturbofs mount")
@@ -419,9 +423,6 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     st.add_argument("--json", action="store_true")
     dc = sub.add_parser("drop-cache", help="evict clean (durable) chunks from a daemon's DRAM pool")
     dc.add_argument("mountpoint")
-    df = sub.add_parser("debug-fault", help="(tests) make a handler raise once; needs -o debug_faults")
-    df.add_argument("mountpoint")
-    df.add_argument("handler")
     ct = sub.add_parser(
         "controller", help="run the job controller of a cluster (membership, group rounds, write plans)",
         description="Run the cluster's job controller: nodes (mount.aiturbo in cluster mode) join it over the "
@@ -459,6 +460,16 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     return p, ct
 
 
+def _test_parser() -> argparse.ArgumentParser:
+    """The commands for tests, apart: ``aiturbo --help`` and its errors name only the commands for users."""
+    p = argparse.ArgumentParser(prog="aiturbo", description="Commands for tests.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    df = sub.add_parser("debug-fault", help="make a handler raise once; the mount needs -o debug_faults")
+    df.add_argument("mountpoint")
+    df.add_argument("handler")
+    return p
+
+
 def controller_actions() -> dict:
     """The flags of `aiturbo controller` a config file's [controller] table may set, by dest."""
     from ._config import controller_actions as actions
@@ -471,6 +482,15 @@ def main(argv: list[str] | None = None) -> int:
     from ._config import controller_actions as actions
 
     p, ct = _parser()
+    words = sys.argv[1:] if argv is None else argv
+    if not words:
+        # No command: the help, on stdout (readable through a pager), but not exit 0, as nothing was done
+        # (2: argparse's usage error, which a missing command is; git exits 1 here).
+        p.print_help()
+        return 2
+    if words[0] in TEST_COMMANDS:
+        args = _test_parser().parse_args(words)
+        return cmd_simple(args, {"cmd": "debug-fault", "handler": args.handler})
     args = p.parse_args(argv)
     if args.cmd == "config":
         return check(args.file, actions(ct), sys.stdout, sys.stderr)
@@ -494,9 +514,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_status(args)
     if args.cmd == "controller":
         return cmd_controller(args)
-    if args.cmd == "drop-cache":
-        return cmd_simple(args, {"cmd": "drop-cache"})
-    return cmd_simple(args, {"cmd": "debug-fault", "handler": args.handler})
+    assert args.cmd == "drop-cache", args.cmd
+    return cmd_simple(args, {"cmd": "drop-cache"})
 
 
 if __name__ == "__main__":
