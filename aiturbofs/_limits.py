@@ -161,6 +161,7 @@ BACKGROUND_NICE = 10  # worker threads doing bulk work yield to the FUSE thread
 MALLOC_MMAP_THRESHOLD_BYTES = 4 * MiB  # glibc: 1 MiB request buffers from the heap; 8 MiB chunk buffers still mmap
 MALLOC_TRIM_THRESHOLD_BYTES = 128 * MiB  # glibc: keep this much freed heap (part of the RSS overhead)
 MOUNT_READY_TIMEOUT_S = 60.0  # parent waits this long for the daemon's mount
+SD_NOTIFY_TIMEOUT_S = 1.0  # one sd_notify datagram to systemd (READY=1, STOPPING=1); past it, logged and dropped
 
 # --- config file (TOML)
 CONFIG_PATH_DEFAULT = "/etc/aiturbo/aiturbo.toml"  # what `aiturbo config check` reads without FILE, and the units use

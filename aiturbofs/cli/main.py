@@ -366,6 +366,7 @@ def cmd_controller(args) -> int:
 
     from .._errors import AiturboError
     from ..node._metrics import controller_endpoint
+    from ..node._sdnotify import READY, notify
     from ._journal import log_to_stderr
 
     missing = [f"--{name.replace('_', '-')}" for name in ("listen", "meta", "secret_file") if not getattr(args, name)]
@@ -386,6 +387,7 @@ def cmd_controller(args) -> int:
                 run_controller, args.listen, args.meta, args.secret_file, backend_gbps=args.backend_gbps,
                 plan=args.plan, metrics=controller_endpoint(args.metrics)))
             print(f"controller listening on {address}", flush=True)
+            notify(READY)  # under systemd (Type=notify): nodes may join from now on
 
     try:
         trio.run(serve)

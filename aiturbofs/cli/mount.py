@@ -104,6 +104,8 @@ def _daemonize() -> int | None:
         code = _wait_for_child(read_fd)
         os._exit(code)
     os.close(read_fd)
+    # The parent's exit says the mount is up; a service manager's socket is not the daemon's to use.
+    os.environ.pop("NOTIFY_SOCKET", None)
     os.setsid()
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
