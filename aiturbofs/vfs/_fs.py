@@ -24,7 +24,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 
 import trio
@@ -83,6 +83,7 @@ from ._kernel_io import (
 )
 from ._objects import ObjectChunks, external_key, external_keys
 from ._options import VfsOptions
+from ._state_waits import StateWaits
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ class Filesystem:
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
         self._seal_send, self._seal_recv = trio.open_memory_channel(SEAL_QUEUE_MAX)
-        self._state_changed: dict[int, trio.Event] = {}
+        self.state_waits = StateWaits()  # fsync, sync_close and the control socket's ``wait`` watch it
         self.fetcher = ChunkFetcher(self)
         self.persister = Persister(self)
         self.importer = Importer(self)
@@ -702,13 +703,26 @@ class Filesystem:
         the symlinks and special files in it, which Linux lets carry no user.*
         xattr (so ``aiturbo wait`` asks their directory).  The worst one wins."""
         states = set() if row.state is None else {self._state(row)}
-        async for _, child in self.meta.children(row.ino, READDIR_BATCH_ENTRIES):
-            if child.state is not None and not stat.S_ISREG(child.mode) and not stat.S_ISDIR(child.mode):
-                states.add(self._state(child))
+        async for child in self._nodes_with_state(row.ino):
+            states.add(self._state(child))
         for state in (STATE_BROKEN, STATE_STAGED, STATE_PERSISTING, STATE_DURABLE):
             if state in states:
                 return state
         raise NoAttribute("this directory and its symlinks and special files live in the metadata only")
+
+    async def _nodes_with_state(self, directory: int) -> AsyncIterator[InodeRow]:
+        """The symlinks and special files in ``directory`` that the backend keeps: their state is shown as
+        part of the directory's."""
+        async for _, child in self.meta.children(directory, READDIR_BATCH_ENTRIES):
+            if child.state is not None and not stat.S_ISREG(child.mode) and not stat.S_ISDIR(child.mode):
+                yield child
+
+    async def state_inputs(self, row: InodeRow) -> list[int]:
+        """The inodes whose durability states make up ``row``'s (``user.aiturbo.state``): its own and, for a
+        directory, those of its symlinks and special files.  A watcher of its state watches them all."""
+        if not stat.S_ISDIR(row.mode):
+            return [row.ino]
+        return [row.ino] + [child.ino async for child in self._nodes_with_state(row.ino)]
 
     def _state(self, row: InodeRow) -> str:
         """``row``'s state as ``user.aiturbo.state`` shows it: a durable inode
@@ -1511,9 +1525,7 @@ class Filesystem:
 
     # ============================================================ durability
     def notify_state(self, ino: int) -> None:
-        event = self._state_changed.pop(ino, None)
-        if event is not None:
-            event.set()
+        self.state_waits.notify(ino)
 
     async def on_persisted(self, ino: int, row: InodeRow) -> None:
         """The persister made version ``row.version`` durable (or broken), or
@@ -1616,19 +1628,19 @@ class Filesystem:
 
     async def wait_durable(self, ino: int) -> None:
         """Block until the committed version of ``ino`` is durable (future 1)."""
-        while True:
-            row = await self.meta.get_inode(ino)
-            if row.state == STATE_BROKEN:
-                raise BrokenFile(f"inode {ino} is broken")
-            if row.nlink == 0:
-                return
-            if row.state == STATE_DURABLE and row.persisted_version == row.version and self._state(row) == STATE_DURABLE:
-                return
-            event = self._state_changed.setdefault(ino, trio.Event())
-            if not self.cluster.shared:
-                await event.wait()
-            else:
-                # another node may persist it (a takeover): its progress is
-                # seen in the shared metadata only
-                with trio.move_on_after(CLUSTER_STATE_POLL_S):
-                    await event.wait()
+        with self.state_waits.watch(ino) as changes:  # before the state is read: no change goes unseen
+            while True:
+                row = await self.meta.get_inode(ino)
+                if row.state == STATE_BROKEN:
+                    raise BrokenFile(f"inode {ino} is broken")
+                if row.nlink == 0:
+                    return
+                if row.state == STATE_DURABLE and row.persisted_version == row.version and self._state(row) == STATE_DURABLE:
+                    return
+                if not self.cluster.shared:
+                    await changes.wait()
+                else:
+                    # another node may persist it (a takeover): its progress is
+                    # seen in the shared metadata only
+                    with trio.move_on_after(CLUSTER_STATE_POLL_S):
+                        await changes.wait()
