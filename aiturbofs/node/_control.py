@@ -15,6 +15,7 @@ import struct
 
 import trio
 
+from .._control_client import call as call  # the client side, for the daemon's own tests and tools
 from .._limits import CONTROL_CALL_TIMEOUT_S, CONTROL_CLIENTS_MAX, CONTROL_REQUEST_BYTES_MAX
 
 log = logging.getLogger(__name__)
@@ -91,18 +92,3 @@ def _peer_uid(sock) -> int | None:
         return None
     _pid, uid, _gid = struct.unpack("3i", creds)
     return uid
-
-
-def call(path: str, request: dict, timeout_s: float = CONTROL_CALL_TIMEOUT_S) -> dict:
-    """Client side (blocking): send ``request``, return the daemon's answer."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout_s)
-        s.connect(path)
-        s.sendall(json.dumps(request).encode() + b"\n")
-        data = b""
-        while not data.endswith(b"\n"):
-            more = s.recv(65536)
-            if not more:
-                break
-            data += more
-    return json.loads(data)
