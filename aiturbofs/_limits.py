@@ -153,8 +153,14 @@ META_PG_KEEPALIVE_S = 5  # postgresql: TCP keepalive idle/interval; a silent ser
 CONTROL_REQUEST_BYTES_MAX = 64 * KiB
 CONTROL_CLIENTS_MAX = 16
 CONTROL_CALL_TIMEOUT_S = 10.0
+CONTROL_WAITS_MAX = 64  # "wait" requests asleep at once (each holds one task), apart from the ones above
 VERIFY_CHUNKS_PER_CALL = 4  # ``aiturbo verify`` asks the daemon for this many chunks a request (32 MiB: well within the call timeout)
-WAIT_POLL_S = 0.2  # `aiturbo wait` refresh period
+WAIT_POLL_S = 0.2  # `aiturbo wait` refresh period where it reads the state xattr (no control socket)
+# aiturbofs.wait() / `aiturbo wait` ask the daemon (control "wait"), which answers when the files settle:
+WAIT_SLICE_S = 5.0  # one call waits at most this long; a longer wait asks again (a hung daemon shows)
+WAIT_GATHER_S = 0.2  # once a file of a call settled, the answer waits this long for more (progress, not a call per file)
+WAIT_INOS_PER_CALL = 1024  # files one call names: ~20 KiB of JSON, within CONTROL_REQUEST_BYTES_MAX
+assert 2 * WAIT_SLICE_S <= CONTROL_CALL_TIMEOUT_S  # the answer, its reads too, comes well before either end gives up
 
 # --- daemon start
 BACKGROUND_NICE = 10  # worker threads doing bulk work yield to the FUSE thread

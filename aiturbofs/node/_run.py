@@ -41,7 +41,7 @@ from ..fabric import load_secret, open_transport, parse_address
 from ..fuse import Operations, datapath, probe_passthrough
 from ..staging import SPILL_FILES_DIR, BackingArea, SpillStore, StagingPool
 from ..vfs import Filesystem, VfsLocalSide, VfsOptions
-from . import _control, _metrics, _sdnotify
+from . import _control, _metrics, _sdnotify, _settle
 from ._options import NodeConfig
 from ._paths import control_socket, default_staging_dir, default_state_dir
 
@@ -239,7 +239,8 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
         if cluster is not None:
             cluster.metrics_url = metrics_url
         dispatch = _Dispatcher(cfg, fs, pool, controller, ops, started, cluster, metrics_url, passthrough, fuse)
-        await nursery.start(_control.serve, control_socket(cfg.mountpoint), dispatch)
+        await nursery.start(partial(_control.serve, control_socket(cfg.mountpoint), dispatch,
+                                    long_polls=frozenset({"wait"})))
         try:
             fuse.mount()
         except OSError as exc:
@@ -406,6 +407,9 @@ class _Dispatcher:
             return await self.fs.persister.verify(int(request["ino"]), first, count)
         if cmd == "repair":
             return await self.fs.restage(int(request["ino"]))
+        if cmd == "wait":
+            inos, timeout_s = _settle.parse(request)
+            return {"ok": True, "states": await _settle.settle(self.fs, inos, timeout_s)}
         if cmd == "debug-fault":
             self.ops.faults.arm(str(request.get("handler")), int(request.get("count", 1)))
             return {"ok": True}
