@@ -16,7 +16,7 @@ RANK = {
     "staging": 3,
     "planner": 2,
     "chunk": 1, "meta": 1, "backend": 1,
-    "_limits": 0, "_errors": 0, "_syscalls": 0, "_version": 0, "_control_client": 0.5, "_threads": 0.5, "_nursery": 0.5,
+    "_limits": 0, "_errors": 0, "_syscalls": 0, "_version": 0, "_control_client": 0.5, "_wait": 0.7, "_threads": 0.5, "_nursery": 0.5,
 }
 ALLOWED_SAME_RANK = {("cli", "node")}  # the CLI is the node's front door
 
