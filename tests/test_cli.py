@@ -55,6 +55,15 @@ def test_aiturbo_alone_prints_its_help_and_hides_the_test_commands():
     assert "mountpoint handler" in aiturbo("debug-fault", "--help").stdout
 
 
+def test_wait_on_a_path_outside_aiturbofs_is_a_usage_error(tmp_path):
+    (tmp_path / "plain.bin").write_bytes(b"x")
+    for path in (tmp_path / "plain.bin", tmp_path / "missing"):
+        r = aiturbo("wait", str(path), check=False)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.startswith(f"aiturbo wait: {path}: ") and "is it on an aiturbofs mount?" in r.stderr, r.stderr
+        assert "durable" not in r.stderr  # no progress bar for what was never waited on
+
+
 def test_bad_option_names_the_option_and_fails(tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
