@@ -154,14 +154,21 @@ META_PG_KEEPALIVE_S = 5  # postgresql: TCP keepalive idle/interval; a silent ser
 CONTROL_REQUEST_BYTES_MAX = 64 * KiB
 CONTROL_CLIENTS_MAX = 16
 CONTROL_CALL_TIMEOUT_S = 10.0
+CONTROL_WAITS_MAX = 64  # "wait" requests asleep at once (each holds one task), apart from the ones above
 VERIFY_CHUNKS_PER_CALL = 4  # ``aiturbo verify`` asks the daemon for this many chunks a request (32 MiB: well within the call timeout)
-WAIT_POLL_S = 0.2  # `aiturbo wait` refresh period
+WAIT_POLL_S = 0.2  # `aiturbo wait` refresh period where it reads the state xattr (no control socket)
+# aiturbofs.wait() / `aiturbo wait` ask the daemon (control "wait"), which answers when the files settle:
+WAIT_SLICE_S = 5.0  # one call waits at most this long; a longer wait asks again (a hung daemon shows)
+WAIT_GATHER_S = 0.2  # once a file of a call settled, the answer waits this long for more (progress, not a call per file)
+WAIT_INOS_PER_CALL = 1024  # files one call names: ~20 KiB of JSON, within CONTROL_REQUEST_BYTES_MAX
+assert 2 * WAIT_SLICE_S <= CONTROL_CALL_TIMEOUT_S  # the answer, its reads too, comes well before either end gives up
 
 # --- daemon start
 BACKGROUND_NICE = 10  # worker threads doing bulk work yield to the FUSE thread
 MALLOC_MMAP_THRESHOLD_BYTES = 4 * MiB  # glibc: 1 MiB request buffers from the heap; 8 MiB chunk buffers still mmap
 MALLOC_TRIM_THRESHOLD_BYTES = 128 * MiB  # glibc: keep this much freed heap (part of the RSS overhead)
 MOUNT_READY_TIMEOUT_S = 60.0  # parent waits this long for the daemon's mount
+SD_NOTIFY_TIMEOUT_S = 1.0  # one sd_notify datagram to systemd (READY=1, STOPPING=1); past it, logged and dropped
 
 # --- config file (TOML)
 CONFIG_PATH_DEFAULT = "/etc/aiturbo/aiturbo.toml"  # what `aiturbo config check` reads without FILE, and the units use

@@ -49,12 +49,15 @@ class Mount:
     def option_string(self) -> str:
         return ",".join(k if v is True else f"{k}={v}" for k, v in self.options.items() if v is not False)
 
-    def start(self, timeout_s: float = 30.0) -> "Mount":
+    def start(self, timeout_s: float = 30.0, *, wait: bool = True) -> "Mount":
+        """Start the daemon; with ``wait``, return once the kernel mount is up."""
         os.makedirs(self.mountpoint, exist_ok=True)
         cmd = [sys.executable, "-m", "aiturbofs.cli.mount", self.backend, self.mountpoint, "-f", "-o", self.option_string()]
         env = {**os.environ, "PYTHONPATH": REPO, **(self.env or {})}
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        if not wait:
+            return self
         deadline = time.monotonic() + timeout_s
         while not is_mounted(self.mountpoint):
             if self.proc.poll() is not None:

@@ -19,6 +19,51 @@ def test_help_explains_itself():
         assert word in out
 
 
+def _installed_version() -> str:
+    from importlib.metadata import version
+
+    return version("aiturbofs")
+
+
+def test_both_commands_print_their_version():
+    for command in ([*MOUNT, "--version"], [*MOUNT, "-V"], [sys.executable, "-m", "aiturbofs.cli.main", "--version"]):
+        r = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=60)
+        assert (r.returncode, r.stdout, r.stderr) == (0, f"aiturbofs {_installed_version()}\n", ""), command
+
+
+def test_version_outside_an_installed_package_says_so():
+    code = ("import importlib.metadata as m, sys\n"
+            "def missing(name): raise m.PackageNotFoundError(name)\n"
+            "m.version = missing\n"
+            "from aiturbofs.cli.main import main\n"
+            "sys.exit(main(['--version']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=60)
+    assert (r.returncode, r.stdout) == (0, "aiturbofs 0+unknown\n"), r.stderr
+
+
+def test_aiturbo_alone_prints_its_help_and_hides_the_test_commands():
+    r = aiturbo(check=False)
+    assert r.returncode == 2 and r.stderr == "", r.stderr  # a usage error: no command was run
+    assert r.stdout.startswith("usage: aiturbo") and "positional arguments" in r.stdout
+    for listing in (r.stdout, aiturbo("--help").stdout):
+        for command in ("wait", "verify", "status", "drop-cache", "controller", "config", "--version"):
+            assert command in listing, command
+        assert "debug-fault" not in listing
+    r = aiturbo("no-such-command", check=False)
+    assert r.returncode == 2 and "invalid choice" in r.stderr and "debug-fault" not in r.stderr
+    # hidden, not gone (tests/test_durability.py makes it raise in a handler)
+    assert "mountpoint handler" in aiturbo("debug-fault", "--help").stdout
+
+
+def test_wait_on_a_path_outside_aiturbofs_is_a_usage_error(tmp_path):
+    (tmp_path / "plain.bin").write_bytes(b"x")
+    for path in (tmp_path / "plain.bin", tmp_path / "missing"):
+        r = aiturbo("wait", str(path), check=False)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.startswith(f"aiturbo wait: {path}: ") and "is it on an aiturbofs mount?" in r.stderr, r.stderr
+        assert "durable" not in r.stderr  # no progress bar for what was never waited on
+
+
 def test_bad_option_names_the_option_and_fails(tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()

@@ -402,6 +402,16 @@ def test_units_read_the_config_file_and_stop_after_the_drain():
         assert "drain_timeout" in _text(name), "the comment must say why"
 
 
+def test_units_wait_for_the_daemons_readiness():
+    """Type=notify: the node units are ready once the mount is up, the controller once it listens.  The
+    notifying process is the one ExecStart runs (the node daemon stays in the foreground: -f)."""
+    for name in ("aiturbo.service", "aiturbo@.service", "aiturbo-controller.service"):
+        unit = _unit(name)
+        assert (unit["Type"], unit["NotifyAccess"]) == ("notify", "main"), name
+    for name in ("aiturbo.service", "aiturbo@.service"):
+        assert "-f" in _unit(name)["ExecStart"].split(), name
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_analyze_verifies_the_units(tmp_path):
     for unit in ("aiturbo.service", "aiturbo-controller.service", "aiturbo@.service"):

@@ -3,7 +3,8 @@
 ``aiturbo wait PATH...`` blocks until every regular file under the paths is
 durable in the backend (future 1), and so is every directory the backend
 keeps, with its symlinks and special files (see docs/design.md, "What the
-backend holds"), showing bytes, rate and ETA; it exits 1 naming any broken file, 2 on usage errors (a path not on aiturbofs).
+backend holds"), showing bytes, rate and ETA; it exits 1 naming any broken file, 2 on usage errors (a path not on aiturbofs),
+3 when ``--timeout`` passed.  It is ``aiturbofs.wait`` (``_wait.py``) with a progress bar.
 ``aiturbo status [MOUNTPOINT]`` asks running daemons through their control
 sockets.  ``aiturbo controller`` runs the cluster's job controller.
 """
@@ -15,7 +16,6 @@ import glob
 import json
 import os
 import sys
-import time
 
 from .._limits import (
     CHUNK_BYTES,
@@ -24,97 +24,61 @@ from .._limits import (
     METRICS_CONTROLLER_ADDRESS_DEFAULT,
     STATUS_LIST_MAX,
     VERIFY_CHUNKS_PER_CALL,
-    WAIT_POLL_S,
 )
 from .._nursery import open_nursery
+from .._version import VersionAction
 
-STATE_XATTR = "user.aiturbo.state"
+# Commands for tests: they work, but ``aiturbo --help`` does not list them (``_test_parser``).
+TEST_COMMANDS = frozenset({"debug-fault"})
 
 
 def _files(paths: list[str]) -> list[tuple[str, int]]:
-    out = []
-    for top in paths:
-        if os.path.isfile(top) and not os.path.islink(top):
-            out.append((top, os.stat(top).st_size))
-            continue
-        if not os.path.isdir(top):
-            raise FileNotFoundError(errno.ENOENT, "no such file or directory", top)
-        for root, _, names in os.walk(top):
-            if _has_state(root):
-                out.append((root, 0))  # its own backend form, and its symlinks and special files
-            for name in names:
-                p = os.path.join(root, name)
-                if os.path.isfile(p) and not os.path.islink(p):
-                    out.append((p, os.stat(p).st_size))
-    return out
+    """(path, size) of what ``aiturbo wait`` waits for under ``paths``: regular files, and the directories
+    that have a durability state (size 0)."""
+    from .._wait import targets_under
 
-
-def _has_state(directory: str) -> bool:
-    """Does ``directory`` have a durability state (a directory the backend
-    keeps, or one holding symlinks or special files it keeps)?"""
-    try:
-        _state(directory)
-    except OSError as exc:
-        if exc.errno in (errno.ENODATA, errno.ENOTSUP):
-            return False
-        raise
-    return True
-
-
-def _state(path: str) -> str:
-    return os.getxattr(path, STATE_XATTR).decode()
-
-
-def _state_now(path: str) -> str:
-    """``_state``; a path removed meanwhile (or whose last node was) has nothing left to wait for."""
-    try:
-        return _state(path)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOENT, errno.ENODATA):
-            raise
-        return "durable"
+    return [(t.path, t.size) for t in targets_under(paths)]
 
 
 def cmd_wait(args) -> int:
+    """``aiturbo wait``: ``aiturbofs.wait`` with a progress bar; exit 0 durable, 1 broken, 2 not on
+    aiturbofs (or no answer from the daemon), 3 timed out."""
     from tqdm import tqdm
 
+    from .._wait import BrokenFiles, WaitTimeout, wait
+
+    bars: list = []
+
+    def progress(done: int, total: int) -> None:
+        if not bars:
+            bars.append(tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="durable",
+                             disable=args.quiet, file=sys.stderr))
+        bars[0].update(done - bars[0].n)
+
     try:
-        files = _files(args.paths)
-        pending = dict(files)
-        for path in list(pending):
-            _state(path)  # fails early for paths outside aiturbofs
+        wait(args.paths, timeout=args.timeout or None, progress=progress)
+    except WaitTimeout as exc:
+        print(f"aiturbo wait: timed out; {len(exc.paths)} file(s) not durable yet, e.g. {exc.paths[0]}", file=sys.stderr)
+        return 3
+    except BrokenFiles as exc:
+        _close(bars)
+        for path in exc.paths:
+            print(f"aiturbo wait: broken: {path}", file=sys.stderr)
+        return 1
+    except ConnectionError as exc:
+        print(f"aiturbo wait: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"aiturbo wait: {exc.filename or ''}: {exc.strerror} (is it on an aiturbofs mount?)", file=sys.stderr)
         return 2
-    broken = []
-    dirs = [path for path, _ in files if os.path.isdir(path) and not os.path.islink(path)]
-    deadline = time.monotonic() + args.timeout if args.timeout else None
-    total = sum(size for _, size in files)
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="durable",
-              disable=args.quiet, file=sys.stderr) as bar:
-        while pending:
-            for path, size in list(pending.items()):
-                state = _state_now(path)
-                if state in ("durable", "broken"):
-                    del pending[path]
-                    bar.update(size)
-                    if state == "broken":
-                        broken.append(path)
-            if not pending:
-                # A file persisted last moved its directory's mtime in the backend (file://), which the
-                # directory then gets back: a directory seen durable before that is asked once more.
-                pending = {path: 0 for path in dirs if _state_now(path) not in ("durable", "broken")}
-            if not pending:
-                break
-            if deadline and time.monotonic() > deadline:
-                print(f"aiturbo wait: timed out; {len(pending)} file(s) not durable yet, e.g. {next(iter(pending))}", file=sys.stderr)
-                return 3
-            time.sleep(WAIT_POLL_S)
-    if broken:
-        for path in broken:
-            print(f"aiturbo wait: broken: {path}", file=sys.stderr)
-        return 1
+    finally:
+        _close(bars)
     return 0
+
+
+def _close(bars: list) -> None:
+    while bars:
+        bars.pop().close()
 
 
 def cmd_verify(args) -> int:
@@ -363,6 +327,7 @@ def cmd_controller(args) -> int:
 
     from .._errors import AiturboError
     from ..node._metrics import controller_endpoint
+    from ..node._sdnotify import READY, notify
     from ._journal import log_to_stderr
 
     missing = [f"--{name.replace('_', '-')}" for name in ("listen", "meta", "secret_file") if not getattr(args, name)]
@@ -383,6 +348,7 @@ def cmd_controller(args) -> int:
                 run_controller, args.listen, args.meta, args.secret_file, backend_gbps=args.backend_gbps,
                 plan=args.plan, metrics=controller_endpoint(args.metrics)))
             print(f"controller listening on {address}", flush=True)
+            notify(READY)  # under systemd (Type=notify): nodes may join from now on
 
     try:
         trio.run(serve)
@@ -395,6 +361,7 @@ def cmd_controller(args) -> int:
 def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The ``aiturbo`` parser and its ``controller`` subparser (whose flags a config file may set)."""
     p = argparse.ArgumentParser(prog="aiturbo", description="Operate aiturbofs mounts.")
+    p.add_argument("-V", "--version", action=VersionAction)
     sub = p.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("wait", help="block until files are durable in the backend, with progress")
     w.add_argument("paths", nargs="+", help="files or directories on an aiturbofs mount")
@@ -419,9 +386,6 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     st.add_argument("--json", action="store_true")
     dc = sub.add_parser("drop-cache", help="evict clean (durable) chunks from a daemon's DRAM pool")
     dc.add_argument("mountpoint")
-    df = sub.add_parser("debug-fault", help="(tests) make a handler raise once; needs -o debug_faults")
-    df.add_argument("mountpoint")
-    df.add_argument("handler")
     ct = sub.add_parser(
         "controller", help="run the job controller of a cluster (membership, group rounds, write plans)",
         description="Run the cluster's job controller: nodes (mount.aiturbo in cluster mode) join it over the "
@@ -459,6 +423,16 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     return p, ct
 
 
+def _test_parser() -> argparse.ArgumentParser:
+    """The commands for tests, apart: ``aiturbo --help`` and its errors name only the commands for users."""
+    p = argparse.ArgumentParser(prog="aiturbo", description="Commands for tests.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    df = sub.add_parser("debug-fault", help="make a handler raise once; the mount needs -o debug_faults")
+    df.add_argument("mountpoint")
+    df.add_argument("handler")
+    return p
+
+
 def controller_actions() -> dict:
     """The flags of `aiturbo controller` a config file's [controller] table may set, by dest."""
     from ._config import controller_actions as actions
@@ -471,6 +445,15 @@ def main(argv: list[str] | None = None) -> int:
     from ._config import controller_actions as actions
 
     p, ct = _parser()
+    words = sys.argv[1:] if argv is None else argv
+    if not words:
+        # No command: the help, on stdout (readable through a pager), but not exit 0, as nothing was done
+        # (2: argparse's usage error, which a missing command is; git exits 1 here).
+        p.print_help()
+        return 2
+    if words[0] in TEST_COMMANDS:
+        args = _test_parser().parse_args(words)
+        return cmd_simple(args, {"cmd": "debug-fault", "handler": args.handler})
     args = p.parse_args(argv)
     if args.cmd == "config":
         return check(args.file, actions(ct), sys.stdout, sys.stderr)
@@ -494,9 +477,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_status(args)
     if args.cmd == "controller":
         return cmd_controller(args)
-    if args.cmd == "drop-cache":
-        return cmd_simple(args, {"cmd": "drop-cache"})
-    return cmd_simple(args, {"cmd": "debug-fault", "handler": args.handler})
+    assert args.cmd == "drop-cache", args.cmd
+    return cmd_simple(args, {"cmd": "drop-cache"})
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import sys
 
 from .._errors import AiturboError, ConfigError
 from .._limits import CONFIG_PATH_DEFAULT, MOUNT_READY_TIMEOUT_S
+from .._version import VersionAction
 from ._journal import LOG_FORMAT, log_to_stderr
 
 DESCRIPTION = f"""\
@@ -52,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="read the backend, mount point and options from this TOML file (same as -o config=FILE); "
                         "no file is read unless named")
     p.add_argument("-o", dest="options", action="append", default=[], metavar="OPTS", help="comma-separated mount options (below)")
+    p.add_argument("-V", "--version", action=VersionAction)
     p.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground, log to stderr")
     # mount(8) passes these; accepted for compatibility
     p.add_argument("-s", action="store_true", help=argparse.SUPPRESS)
@@ -102,6 +104,8 @@ def _daemonize() -> int | None:
         code = _wait_for_child(read_fd)
         os._exit(code)
     os.close(read_fd)
+    # The parent's exit says the mount is up; a service manager's socket is not the daemon's to use.
+    os.environ.pop("NOTIFY_SOCKET", None)
     os.setsid()
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):

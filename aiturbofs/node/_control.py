@@ -15,13 +15,20 @@ import struct
 
 import trio
 
-from .._limits import CONTROL_CALL_TIMEOUT_S, CONTROL_CLIENTS_MAX, CONTROL_REQUEST_BYTES_MAX
+from .._control_client import call as call  # the client side, for the daemon's own tests and tools
+from .._limits import CONTROL_CALL_TIMEOUT_S, CONTROL_CLIENTS_MAX, CONTROL_REQUEST_BYTES_MAX, CONTROL_WAITS_MAX
 
 log = logging.getLogger(__name__)
 
 
-async def serve(path: str, dispatch, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve ``dispatch(request: dict) -> dict`` on the unix socket ``path``."""
+async def serve(path: str, dispatch, *, long_polls: frozenset[str] = frozenset(),
+                task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve ``dispatch(request: dict) -> dict`` on the unix socket ``path``.
+
+    A command in ``long_polls`` sleeps until something happens (``wait``): once
+    read, it counts against CONTROL_WAITS_MAX instead of the CONTROL_CLIENTS_MAX
+    requests that do work, so sleepers never keep ``aiturbo status`` waiting.
+    """
     # The directory is private, so the socket may be bound with any mode and
     # narrowed before it listens: setting the umask instead would change it
     # for the whole process, worker threads creating backend files included.
@@ -34,10 +41,11 @@ async def serve(path: str, dispatch, *, task_status=trio.TASK_STATUS_IGNORED) ->
     await sock.bind(path)
     os.chmod(path, 0o600)
     sock.listen(CONTROL_CLIENTS_MAX)
-    limiter = trio.CapacityLimiter(CONTROL_CLIENTS_MAX)
+    workers = trio.CapacityLimiter(CONTROL_CLIENTS_MAX)
+    sleepers = trio.CapacityLimiter(CONTROL_WAITS_MAX)
 
     async def handle(stream: trio.SocketStream) -> None:
-        async with limiter, stream:
+        async with _Slot(workers) as slot, stream:
             uid = _peer_uid(stream.socket)
             with trio.move_on_after(CONTROL_CALL_TIMEOUT_S):
                 data = b""
@@ -63,6 +71,8 @@ async def serve(path: str, dispatch, *, task_status=trio.TASK_STATUS_IGNORED) ->
                     request = json.loads(data)
                     if not isinstance(request, dict):
                         raise ValueError("request must be a JSON object")
+                    if request.get("cmd") in long_polls:
+                        await slot.move_to(sleepers)
                     answer = await dispatch(request)
                 except Exception as exc:  # noqa: BLE001 - a bad request must not stop the server
                     answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
@@ -83,6 +93,30 @@ async def serve(path: str, dispatch, *, task_status=trio.TASK_STATUS_IGNORED) ->
             pass
 
 
+class _Slot:
+    """One token of a CapacityLimiter, which may move to another (a request found to be a long poll)."""
+
+    def __init__(self, limiter: trio.CapacityLimiter):
+        self._limiter = limiter
+        self._held: trio.CapacityLimiter | None = None
+
+    async def __aenter__(self) -> "_Slot":
+        await self._limiter.acquire()
+        self._held = self._limiter
+        return self
+
+    async def move_to(self, limiter: trio.CapacityLimiter) -> None:
+        assert self._held is not None
+        self._held.release()
+        self._held = None
+        await limiter.acquire()
+        self._held = limiter
+
+    async def __aexit__(self, *exc) -> None:
+        if self._held is not None:
+            self._held.release()
+
+
 def _peer_uid(sock) -> int | None:
     """The uid of the process at the other end of a unix socket (None if the kernel does not say)."""
     try:
@@ -91,18 +125,3 @@ def _peer_uid(sock) -> int | None:
         return None
     _pid, uid, _gid = struct.unpack("3i", creds)
     return uid
-
-
-def call(path: str, request: dict, timeout_s: float = CONTROL_CALL_TIMEOUT_S) -> dict:
-    """Client side (blocking): send ``request``, return the daemon's answer."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout_s)
-        s.connect(path)
-        s.sendall(json.dumps(request).encode() + b"\n")
-        data = b""
-        while not data.endswith(b"\n"):
-            more = s.recv(65536)
-            if not more:
-                break
-            data += more
-    return json.loads(data)

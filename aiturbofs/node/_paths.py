@@ -1,18 +1,14 @@
-"""Where a mount keeps its local state and its control socket."""
+"""Where a mount keeps its local state (and, from ``_control_client``, where its control socket is)."""
 
 import os
 
 import blake3
 
+from .._control_client import RUN_ROOT as RUN_ROOT
+from .._control_client import control_socket as control_socket
+from .._control_client import mount_id
+
 STATE_ROOT = "/var/lib/aiturbo"
-RUN_ROOT = "/run/aiturbo"
-
-
-def mount_id(mountpoint: str) -> str:
-    """A stable, readable, collision-free name for a mount point."""
-    path = os.path.abspath(mountpoint)
-    readable = path.strip("/").replace("/", "-")[-48:] or "root"
-    return f"{readable}-{blake3.blake3(path.encode()).hexdigest()[:8]}"
 
 
 def default_state_dir(mountpoint: str) -> str:
@@ -32,7 +28,3 @@ def default_staging_dir(state_dir: str) -> str:
         return os.path.join(state_dir, "staging")
     digest = blake3.blake3(os.path.abspath(state_dir).encode()).hexdigest()[:16]
     return os.path.join(DRAM_ROOT, "aiturbofs", digest)
-
-
-def control_socket(mountpoint: str) -> str:
-    return os.path.join(RUN_ROOT, mount_id(mountpoint) + ".sock")

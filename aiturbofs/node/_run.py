@@ -41,7 +41,7 @@ from ..fabric import load_secret, open_transport, parse_address
 from ..fuse import Operations, datapath, probe_passthrough
 from ..staging import SPILL_FILES_DIR, BackingArea, SpillStore, StagingPool
 from ..vfs import Filesystem, VfsLocalSide, VfsOptions
-from . import _control, _metrics
+from . import _control, _metrics, _sdnotify, _settle
 from ._options import NodeConfig
 from ._paths import control_socket, default_staging_dir, default_state_dir
 
@@ -239,7 +239,8 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
         if cluster is not None:
             cluster.metrics_url = metrics_url
         dispatch = _Dispatcher(cfg, fs, pool, controller, ops, started, cluster, metrics_url, passthrough, fuse)
-        await nursery.start(_control.serve, control_socket(cfg.mountpoint), dispatch)
+        await nursery.start(partial(_control.serve, control_socket(cfg.mountpoint), dispatch,
+                                    long_polls=frozenset({"wait"})))
         try:
             fuse.mount()
         except OSError as exc:
@@ -251,6 +252,7 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
         log.info("mounted %s at %s (pool %d MiB, staging %s, spill %s, state %s, metrics %s)", cfg.backend, cfg.mountpoint,
                  cfg.dram_bytes >> 20, staging.directory, spill.directory, state_dir, metrics_url or "off")
         ready.send("OK")
+        _sdnotify.notify(_sdnotify.READY)  # -f under systemd (Type=notify): the same moment
         try:
             with session.scope:
                 await fuse.serve(FUSE_TASKS_MAX)
@@ -262,6 +264,7 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
                       cfg.mountpoint, group.exceptions[0])
         finally:
             session.closed = True
+            session.stopping()  # an unmount the kernel told us of first: no end() came before
             fuse.close(unmount=True)
         queued = fs.persister.queue_length()
         log.info("unmounted %s; draining %d file(s) to the backend (timeout %.0f s)", cfg.mountpoint, queued, cfg.drain_timeout_s)
@@ -318,14 +321,22 @@ class _Session:
         self._nursery = nursery
         self._fuse = fuse
         self._ending = False
+        self._stopping = False
         self.closed = False
 
     def end(self) -> None:
         if self._ending or self.closed:
             return
         self._ending = True
+        self.stopping()
         self._fuse.terminate()
         self._nursery.start_soon(self._cancel_after_grace)
+
+    def stopping(self) -> None:
+        """Tell systemd the service is stopping (the drain follows), once, at the first sign of it."""
+        if not self._stopping:
+            self._stopping = True
+            _sdnotify.notify(_sdnotify.STOPPING)
 
     async def _cancel_after_grace(self) -> None:
         await trio.sleep(SESSION_END_GRACE_S)
@@ -396,6 +407,9 @@ class _Dispatcher:
             return await self.fs.persister.verify(int(request["ino"]), first, count)
         if cmd == "repair":
             return await self.fs.restage(int(request["ino"]))
+        if cmd == "wait":
+            inos, timeout_s = _settle.parse(request)
+            return {"ok": True, "states": await _settle.settle(self.fs, inos, timeout_s)}
         if cmd == "debug-fault":
             self.ops.faults.arm(str(request.get("handler")), int(request.get("count", 1)))
             return {"ok": True}

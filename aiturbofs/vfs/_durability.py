@@ -9,6 +9,7 @@ the pins of files recovered after a restart, and ``aiturbo verify
 
 import logging
 import stat
+from collections.abc import AsyncIterator
 
 import trio
 
@@ -54,13 +55,26 @@ class Durability:
         the symlinks and special files in it, which Linux lets carry no user.*
         xattr (so ``aiturbo wait`` asks their directory).  The worst one wins."""
         states = set() if row.state is None else {self.state(row)}
-        async for _, child in self._meta.children(row.ino, READDIR_BATCH_ENTRIES):
-            if child.state is not None and not stat.S_ISREG(child.mode) and not stat.S_ISDIR(child.mode):
-                states.add(self.state(child))
+        async for child in self._nodes_with_state(row.ino):
+            states.add(self.state(child))
         for state in (STATE_BROKEN, STATE_STAGED, STATE_PERSISTING, STATE_DURABLE):
             if state in states:
                 return state
         raise NoAttribute("this directory and its symlinks and special files live in the metadata only")
+
+    async def _nodes_with_state(self, directory: int) -> AsyncIterator[InodeRow]:
+        """The symlinks and special files in ``directory`` that the backend keeps: their state is shown as
+        part of the directory's."""
+        async for _, child in self._meta.children(directory, READDIR_BATCH_ENTRIES):
+            if child.state is not None and not stat.S_ISREG(child.mode) and not stat.S_ISDIR(child.mode):
+                yield child
+
+    async def state_inputs(self, row: InodeRow) -> list[int]:
+        """The inodes whose durability states make up ``row``'s (``user.aiturbo.state``): its own and, for a
+        directory, those of its symlinks and special files.  A watcher of its state watches them all."""
+        if not stat.S_ISDIR(row.mode):
+            return [row.ino]
+        return [row.ino] + [child.ino async for child in self._nodes_with_state(row.ino)]
 
     def state(self, row: InodeRow) -> str:
         """``row``'s state as ``user.aiturbo.state`` shows it: a durable inode
@@ -170,19 +184,19 @@ class Durability:
 
     async def wait_durable(self, ino: int) -> None:
         """Block until the committed version of ``ino`` is durable (future 1)."""
-        while True:
-            row = await self._meta.get_inode(ino)
-            if row.state == STATE_BROKEN:
-                raise BrokenFile(f"inode {ino} is broken")
-            if row.nlink == 0:
-                return
-            if row.state == STATE_DURABLE and row.persisted_version == row.version and self.state(row) == STATE_DURABLE:
-                return
-            event = self._inodes.state_changed(ino)
-            if not self._cluster.shared:
-                await event.wait()
-            else:
-                # another node may persist it (a takeover): its progress is
-                # seen in the shared metadata only
-                with trio.move_on_after(CLUSTER_STATE_POLL_S):
-                    await event.wait()
+        with self._inodes.state_waits.watch(ino) as changes:  # before the state is read: no change goes unseen
+            while True:
+                row = await self._meta.get_inode(ino)
+                if row.state == STATE_BROKEN:
+                    raise BrokenFile(f"inode {ino} is broken")
+                if row.nlink == 0:
+                    return
+                if row.state == STATE_DURABLE and row.persisted_version == row.version and self.state(row) == STATE_DURABLE:
+                    return
+                if not self._cluster.shared:
+                    await changes.wait()
+                else:
+                    # another node may persist it (a takeover): its progress is
+                    # seen in the shared metadata only
+                    with trio.move_on_after(CLUSTER_STATE_POLL_S):
+                        await changes.wait()

@@ -86,6 +86,7 @@ class Filesystem:
         self.errors_total = 0  # every record_error (the list keeps the last ERRORS_KEPT_MAX): for the metrics
         self._nursery: trio.Nursery | None = None
         self.inodes = InodeTable(meta)
+        self.state_waits = self.inodes.state_waits  # the control socket's ``wait`` watches it too
         self.fetcher = ChunkFetcher(self)
         self.persister = Persister(self)
         self.importer = Importer(self)
@@ -163,6 +164,11 @@ class Filesystem:
 
     async def wait_durable(self, ino: int) -> None:
         await self.durability.wait_durable(ino)
+
+    async def state_inputs(self, row: InodeRow) -> list[int]:
+        """The inodes whose states make up ``row``'s ``user.aiturbo.state`` (a directory's: its symlinks and
+        special files too)."""
+        return await self.durability.state_inputs(row)
 
     # ================================================ names and attributes
     async def lookup(self, parent: int, name: bytes) -> InodeRow:

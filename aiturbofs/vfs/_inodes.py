@@ -2,7 +2,7 @@
 
 An ``Inode`` is held while the kernel has a reference to it (lookups), a
 handle is open on it, or its content is staged; a ``Handle`` is one open.
-The table also keeps the per-inode wake-ups of durability waits and the
+The table also keeps the watchers of durability states and the
 inode's ``user.aiturbo.*`` tags, read once from the metadata engine.  It
 makes no decision about bytes: the writer and the reader do, over the
 inodes it hands them.
@@ -10,11 +10,10 @@ inodes it hands them.
 
 import os
 
-import trio
-
 from ..meta import InodeRow, MetaStore
 from . import _xattr
 from ._content import FileContent, VersionPins
+from ._state_waits import StateWaits
 
 
 class Inode:
@@ -63,14 +62,14 @@ class Handle:
 
 
 class InodeTable:
-    """Inodes by number, handles by ``fh``, and the wake-ups of durability waits."""
+    """Inodes by number, handles by ``fh``, and the watchers of durability states."""
 
     def __init__(self, meta: MetaStore):
         self._meta = meta
         self._inodes: dict[int, Inode] = {}
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
-        self._state_changed: dict[int, trio.Event] = {}
+        self.state_waits = StateWaits()  # fsync, sync_close and the control socket's ``wait`` watch it
 
     # ---------------------------------------------------------------- inodes
     def get(self, ino: int) -> Inode | None:
@@ -166,11 +165,5 @@ class InodeTable:
 
     # ---------------------------------------------------------------- states
     def notify_state(self, ino: int) -> None:
-        """``ino``'s state changed: wake whoever waits for it."""
-        event = self._state_changed.pop(ino, None)
-        if event is not None:
-            event.set()
-
-    def state_changed(self, ino: int) -> trio.Event:
-        """Set at the next ``notify_state`` of ``ino``."""
-        return self._state_changed.setdefault(ino, trio.Event())
+        """``ino``'s state changed: tell its watchers."""
+        self.state_waits.notify(ino)
