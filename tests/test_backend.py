@@ -26,7 +26,8 @@ import fsspec
 import pytest
 import trio
 import trio.testing
-from s3server import S3Server, free_port, s3_server  # noqa: F401  (s3_server is a fixture)
+from loopback import free_port
+from s3server import S3Server
 
 from aiturbofs._errors import (
     BackendError,

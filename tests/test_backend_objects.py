@@ -18,8 +18,8 @@ import time
 import pytest
 from faults import FaultyS3Proxy
 from mounting import aiturbo
-from s3server import S3Server, s3_server  # noqa: F401  (s3_server is a fixture)
-from test_durability import WAIT_S, aiturbo_proc, s3, s3_outage_server, s3m, status  # noqa: F401  (fixtures)
+from s3server import S3Server
+from test_durability import WAIT_S, aiturbo_proc, status
 
 IMPORT_SETTLE_S = 1.6  # import_ttl=0.5 (tests' default) + the kernel's 1 s attribute cache
 
@@ -195,7 +195,7 @@ def test_device_node_as_root(make_mount, store):
     assert again.stop() == 0, again.log()
 
 
-def test_objects_written_the_s3fs_fuse_way_are_imported(make_mount, s3_server):  # noqa: F811
+def test_objects_written_the_s3fs_fuse_way_are_imported(make_mount, s3_server):
     store = S3(s3_server)
     t = int(time.time()) - 3600
     store.put("other/link", b"../data/file", {"mode": str(stat.S_IFLNK | 0o777), "uid": "0", "gid": "0",
@@ -226,7 +226,7 @@ def test_cp_a_of_the_file_backend_keeps_the_forms(make_mount, tmp_path):
     assert stat.S_ISFIFO(os.lstat(copy / "ckpt" / "pipe").st_mode)
 
 
-def test_s3_node_probe_off_imports_small_objects_as_files(make_mount, s3_server):  # noqa: F811
+def test_s3_node_probe_off_imports_small_objects_as_files(make_mount, s3_server):
     store = S3(s3_server)
     store.put("link", b"target", {"mode": str(stat.S_IFLNK | 0o777)})
     m = make_mount(store.url, name="noprobe", s3_node_probe="no", **store.options)
@@ -235,7 +235,7 @@ def test_s3_node_probe_off_imports_small_objects_as_files(make_mount, s3_server)
     assert m.stop() == 0, m.log()
 
 
-def test_wait_covers_symlinks_and_directories_through_an_outage(s3m):  # noqa: F811
+def test_wait_covers_symlinks_and_directories_through_an_outage(s3m):
     m = s3m.mount()
     os.mkdir(m.path("ckpt"))
     r = aiturbo("wait", "--timeout", "30", m.mountpoint, check=False)
@@ -260,7 +260,7 @@ def test_wait_covers_symlinks_and_directories_through_an_outage(s3m):  # noqa: F
     assert m.stop() == 0, m.log()
 
 
-def test_nodes_staged_at_a_crash_persist_after_the_restart(s3m):  # noqa: F811
+def test_nodes_staged_at_a_crash_persist_after_the_restart(s3m):
     m = s3m.mount()
     s3m.server.stop()
     os.mkdir(m.path("ckpt"))
@@ -277,7 +277,7 @@ def test_nodes_staged_at_a_crash_persist_after_the_restart(s3m):  # noqa: F811
     assert "BUG" not in again.log() and "Traceback" not in again.log(), again.log()
 
 
-def test_a_symlink_whose_head_fails_is_imported_at_the_next_listing(make_mount, s3_server):  # noqa: F811
+def test_a_symlink_whose_head_fails_is_imported_at_the_next_listing(make_mount, s3_server):
     """A 5xx on the HEAD that tells a symlink from a file: the entry waits, it
     does not become a plain file for good."""
     store = S3(s3_server)

@@ -5,10 +5,11 @@ backend outage, renames and unlinks of in-flight files, a full DRAM pool and
 SIGTERM never lose or misplace a byte; and that errors reach the caller as an
 errno while the mount stays up.
 
-The S3 tests stop and restart their own moto server (``OutageS3Server``): a
-restarted moto is empty, and it is restarted with its buckets already there,
-because a persist retry that lands between "listening" and "bucket re-created"
-would get NoSuchBucket, a permanent error, and mark the file broken.
+The S3 tests stop and restart the module's own moto server (the fixture
+``s3m``, an ``OutageS3Server``): a restarted moto is empty, and it is
+restarted with its buckets already there, because a persist retry that lands
+between "listening" and "bucket re-created" would get NoSuchBucket, a
+permanent error, and mark the file broken.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from types import SimpleNamespace
 import pytest
 import trio
 from mounting import REPO, aiturbo, is_mounted, state, wait_state
-from s3server import CREDENTIALS, HOST, S3Server
 
 from aiturbofs import chunk
 from aiturbofs._errors import BackendError, TransientBackendError
@@ -40,107 +40,6 @@ from aiturbofs.persist import Persister
 MiB = 1 << 20
 CHUNK = 8 * MiB
 WAIT_S = 60.0  # generous bound on "becomes durable" for tens of MiB on this machine
-
-# moto, with buckets created in-process before it listens (see module doc).
-_PRELOADED_MOTO = """
-import sys
-from moto.core import DEFAULT_ACCOUNT_ID
-from moto.s3.models import s3_backends
-for name in sys.argv[3:]:
-    s3_backends[DEFAULT_ACCOUNT_ID]["global"].create_bucket(name, "us-east-1")
-from moto.server import main
-main(["-H", sys.argv[1], "-p", sys.argv[2]])
-"""
-
-
-class OutageS3Server(S3Server):
-    """An ``S3Server`` whose ``start()`` brings back every bucket made so far (empty)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.buckets: list[str] = []
-
-    def start(self) -> OutageS3Server:
-        os.environ.update(CREDENTIALS)
-        if self.running:
-            return self
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", _PRELOADED_MOTO, HOST, str(self.port), *self.buckets],
-            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def freeze(self) -> None:
-        """SIGSTOP: an outage that keeps the data (requests hang, then time out)."""
-        self._signal_group(self._proc, signal.SIGSTOP)
-
-    def thaw(self) -> None:
-        if self._proc is not None:
-            self._signal_group(self._proc, signal.SIGCONT)
-
-    def make_bucket(self, name: str) -> str:
-        self.buckets.append(name)
-        return super().make_bucket(name)
-
-    def objects(self, bucket: str, prefix: str = "") -> dict[str, bytes]:
-        """Every object under ``prefix`` (key relative to it) -> its bytes; the
-        zero-byte ``dir/`` markers of directories (docs/design.md) left out."""
-        c = self.client()
-        out = {}
-        for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            for o in page.get("Contents", ()):
-                if o["Key"].endswith("/"):
-                    continue
-                out[o["Key"][len(prefix):]] = c.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
-        return out
-
-
-@pytest.fixture(scope="module")
-def s3_outage_server():
-    server = OutageS3Server()
-    try:
-        yield server.start()
-    finally:
-        server.close()
-
-
-@pytest.fixture
-def s3(s3_outage_server, make_mount):
-    """The module's S3 server, running again (with its buckets) after the test.
-
-    Depends on ``make_mount`` so that it is torn down first: the mounts'
-    unmount then drains to a running server.
-    """
-    yield s3_outage_server
-    s3_outage_server.thaw()
-    s3_outage_server.start()
-
-
-class S3Mounts:
-    """One fresh bucket per test; mounts of ``s3://bucket/pre``."""
-
-    def __init__(self, server: OutageS3Server, make_mount):
-        self.server = server
-        self.make_mount = make_mount
-        self.bucket = server.make_bucket(f"t-{secrets.token_hex(6)}")
-        self.url = f"s3://{self.bucket}/pre"
-
-    def mount(self, name: str = "m", **options):
-        return self.make_mount(self.url, name=name, s3_endpoint=self.server.endpoint, **options)
-
-    def objects(self) -> dict[str, bytes]:
-        return self.server.objects(self.bucket, "pre/")
-
-
-@pytest.fixture
-def s3m(s3, make_mount) -> S3Mounts:
-    return S3Mounts(s3, make_mount)
-
 
 # --------------------------------------------------------------------------- helpers
 

@@ -15,7 +15,8 @@ import stat
 
 import pytest
 import trio
-from pgserver import PgServer, free_port, pg_server  # noqa: F401  (pg_server is a fixture)
+from loopback import free_port
+from pgserver import PgServer
 
 from aiturbofs import _errors as err
 from aiturbofs._limits import (

@@ -27,7 +27,7 @@ import time
 import pytest
 import trio
 from mounting import aiturbo, state, wait_state, wipe_staging
-from test_durability import (  # noqa: F401  (s3, s3m, s3_outage_server are fixtures)
+from test_durability import (
     CHUNK,
     WAIT_S,
     MiB,
@@ -35,9 +35,6 @@ from test_durability import (  # noqa: F401  (s3, s3m, s3_outage_server are fixt
     get,
     local_objects,
     put,
-    s3,
-    s3_outage_server,
-    s3m,
     sha,
     status,
     wait_until,

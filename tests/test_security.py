@@ -17,7 +17,6 @@ import tempfile
 import pytest
 import trio
 from mounting import REPO, is_mounted, wait_state
-from s3server import s3_server  # noqa: F401  (a session fixture)
 from test_posix import tree
 
 from aiturbofs._errors import BackendError, InvalidArgument
@@ -292,7 +291,7 @@ ODD_KEYS = {
 }
 
 
-def test_odd_backend_keys_never_escape_the_mount(make_mount, s3_server, datapath):  # noqa: F811
+def test_odd_backend_keys_never_escape_the_mount(make_mount, s3_server, datapath):
     bucket = s3_server.make_bucket(f"odd-keys-{datapath}")  # a bucket per data path: the server is shared
     client = s3_server.client()
     for key, body in ODD_KEYS.items():

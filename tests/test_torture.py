@@ -28,7 +28,7 @@ import time
 
 import pytest
 from mounting import aiturbo
-from s3server import S3Server, s3_server  # noqa: F401  (s3_server is a fixture)
+from s3server import S3Server
 from torture import allows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
