@@ -4,20 +4,12 @@ The session's machinery (the servers, the async runner, the markers) is tests/pl
 """
 
 import os
-import shutil
 
 import pytest
 from cluster import Cluster
 from mounting import DATAPATH, STAGING_DIRS, TEST_LOGS, Mount, S3Mounts, wipe_staging
 
 from aiturbofs.fuse import probe_passthrough
-
-
-def pytest_configure(config):
-    missing = [tool for tool in ("fusermount3",) if shutil.which(tool) is None]
-    if missing or not os.path.exists("/dev/fuse"):
-        raise pytest.UsageError(f"FUSE is needed for the tests: missing {missing or '/dev/fuse'} (apt-get install fuse3)")
-
 
 # The conformance modules run on both FUSE data paths: the kernel-protocol session (with passthrough
 # where this host has it) and pyfuse3.  The rest (cluster, faults, outages, recovery, backends: the

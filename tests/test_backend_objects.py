@@ -177,9 +177,8 @@ def test_rm_rmdir_and_mv_reach_the_backend(make_mount, store):
     assert again.stop() == 0, again.log()
 
 
+@pytest.mark.root("mknod of a device node")
 def test_device_node_as_root(make_mount, store):
-    if os.geteuid() != 0:
-        pytest.skip("mknod of a device node needs root")
     m = mount(make_mount, store)
     os.mknod(m.path("null"), stat.S_IFCHR | 0o600, os.makedev(1, 3))
     settle(m)
@@ -310,11 +309,6 @@ TREE = [
 ]
 
 
-def needs_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("giving files to other users (chown) needs root")
-
-
 def make_tree(top: str) -> None:
     """``TREE`` below ``top``, then each entry's owner, mode and mtime, children
     before their directories and the top last (as rsync -a does: creating an
@@ -352,11 +346,11 @@ def rsync_changes(src: str, dst: str) -> str:
                           check=True).stdout
 
 
+@pytest.mark.root("giving files to other users (chown)")
 def test_modes_owners_and_mtimes_reach_the_file_backend_and_come_back(make_mount, tmp_path):
     """A -rw------- nobody file stays that in the backend dir (not -rw-r--r-- root, readable
     by every local user); chmod/chown/utime of durable files get there without a new upload;
     a mount on a fresh state dir shows it all again, so rsync -a finds nothing to send."""
-    needs_root()
     store = Local(str(tmp_path / "backend"))
     src = str(tmp_path / "src")
     os.mkdir(src)
@@ -390,10 +384,10 @@ def test_modes_owners_and_mtimes_reach_the_file_backend_and_come_back(make_mount
     assert fresh.stop() == 0, fresh.log()
 
 
+@pytest.mark.root("giving files to other users (chown)")
 def test_rsync_a_through_the_mount_sends_nothing_the_second_time(make_mount, tmp_path):
     """rsync -a writes temp files, renames them and sets directory times last, while
     the persister publishes behind it (each publish moves its backend directory's mtime)."""
-    needs_root()
     store = Local(str(tmp_path / "backend"))
     src = str(tmp_path / "src")
     os.mkdir(src)
@@ -436,10 +430,10 @@ def test_a_chmod_racing_the_upload_ends_with_the_latest_mode(make_mount, tmp_pat
     assert m.stop() == 0, m.log()
 
 
+@pytest.mark.root("giving files to other users (chown)")
 def test_backend_modes_and_owners_show_in_the_mount(make_mount, tmp_path):
     """A backend file 0600 of uid 1000 in a 0700 directory is not -rw-r--r-- root in
     the mount, where (allow_other, on as root; default_permissions) anyone could read it."""
-    needs_root()
     store = Local(str(tmp_path / "backend"))
     os.makedirs(store.path("home/private"))
     with open(store.path("home/private/id_rsa"), "wb") as f:

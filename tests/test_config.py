@@ -216,6 +216,7 @@ def _wait_mounted(mnt: str, proc: subprocess.Popen | None, log_path, timeout_s: 
         time.sleep(0.05)
 
 
+@pytest.mark.fuse
 def test_a_mount_from_the_config_file_logs_to_the_journal(tmp_path):
     backend, mnt = tmp_path / "backend", tmp_path / "mnt"
     backend.mkdir()
@@ -256,6 +257,7 @@ def _mount_helper() -> str | None:
     return shutil.which("mount.aiturbo", path="/sbin:/usr/sbin")
 
 
+@pytest.mark.fuse
 @pytest.mark.skipif(shutil.which("mount") is None or _mount_helper() is None,
                     reason="mount(8) or /sbin/mount.aiturbo missing (scripts/setup.sh links the helper)")
 def test_fstab_style_mount_names_the_file_with_o_config(tmp_path):

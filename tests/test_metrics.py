@@ -217,6 +217,8 @@ def _summaries_of_every_node(c: Cluster) -> list[dict]:
         time.sleep(0.2)
 
 
+@pytest.mark.fuse
+@pytest.mark.cluster
 def test_cluster_status_and_metrics(cluster):
     c = cluster
     job = os.path.join(c.nodes[0].mountpoint, "job")

@@ -192,7 +192,8 @@ def backing_files(m) -> list[str]:
     return found
 
 
-@pytest.mark.skipif(not (os.geteuid() == 0 and probe_passthrough().available), reason="needs FUSE passthrough")
+@pytest.mark.root("FUSE passthrough (CAP_SYS_ADMIN)")
+@pytest.mark.skipif(not probe_passthrough().available, reason="needs FUSE passthrough")
 def test_kill9_keeps_the_files_the_kernel_wrote_on_disk(s3m):
     """A file the kernel writes has its backing file on disk (one file may be larger than DRAM); after
     a kill -9 and a reboot that empties the tmpfs, the restart finds its chunks there, serves and

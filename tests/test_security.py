@@ -71,6 +71,7 @@ def _write(path: str, data: bytes, mode: int) -> None:
 
 
 # ------------------------------------------------------------ mount options
+@pytest.mark.root("the options of a root mount, checked by another user")
 def test_root_mount_is_shared_with_modes_checked_by_default(make_mount):
     # A training node's users share /mnt/aiturbo: root mounts with allow_other
     # and the kernel enforces the modes (default_permissions), as JuiceFS does.
@@ -90,6 +91,7 @@ def test_root_mount_is_shared_with_modes_checked_by_default(make_mount):
     assert out == ["True", "EACCES", "EPERM"], out
 
 
+@pytest.mark.root("running a child as another user")
 def test_write_by_another_user_clears_setuid_and_setgid(make_mount):
     # pjdfstest chmod/12.t: a write by a user without CAP_FSETID kills the
     # set-user-ID and set-group-ID bits, through an O_WRONLY handle too.
@@ -112,6 +114,7 @@ def test_write_by_another_user_clears_setuid_and_setgid(make_mount):
         assert open(m.path(name), "rb").read() == b"new"
 
 
+@pytest.mark.root("running a child as another user")
 def test_open_with_o_trunc_by_another_user_clears_setuid_and_setgid(make_mount):
     # As truncate(2) does (tmpfs, ext4): an open(O_TRUNC) by a user without CAP_FSETID kills
     # set-user-ID, and set-group-ID where the group may execute.  The kernel sends the truncation
@@ -140,6 +143,7 @@ def test_open_with_o_trunc_by_another_user_clears_setuid_and_setgid(make_mount):
     assert stat.S_IMODE(os.stat(m.path("suid")).st_mode) == 0o4755
 
 
+@pytest.mark.root("running a child as another user")
 def test_allow_other_no_keeps_other_users_out(make_mount):
     m = make_mount(allow_other="no")
     per_mount, per_sb = _mountinfo(m.mountpoint)
@@ -155,6 +159,7 @@ def test_allow_other_no_keeps_other_users_out(make_mount):
     assert out == ["EACCES", "EACCES"], out
 
 
+@pytest.mark.root("running a child as another user")
 def test_allow_other_still_checks_modes(make_mount):
     m = make_mount(allow_other=True)
     _, per_sb = _mountinfo(m.mountpoint)
@@ -179,6 +184,7 @@ def test_allow_other_still_checks_modes(make_mount):
 
 
 # ------------------------------------------------------------- local state
+@pytest.mark.root("the mount's own files are root's")
 def test_control_socket_and_state_dir_are_root_only(make_mount):
     m = make_mount()
     sock = control_socket(m.mountpoint)
@@ -198,6 +204,7 @@ def _ask(path: str, request: dict) -> dict:
         return json.loads(s.makefile("rb").readline())
 
 
+@pytest.mark.root("running a child as another user")
 def test_control_socket_refuses_other_users_even_when_reachable(make_mount):
     """A socket made reachable by mistake (mode loosened, hard-linked into a
     public directory) still answers only root: the daemon checks SO_PEERCRED."""
