@@ -1,8 +1,13 @@
-"""The test suite's pytest plugin: what a test needs of the machine, and the servers tests share.
+"""The test suite's pytest plugin: how async tests run, what a test needs of the machine, the shared servers.
 
 Registered for every run by pyproject.toml (``-p plugin``, with ``tests`` on
 ``pythonpath``), so a test module never imports a fixture by name.
 
+- Async tests (``async def test_...``) run under trio, through anyio's pytest
+  plugin (``anyio_mode = "auto"``, and ``anyio_backend`` below says trio);
+  so do async fixtures.  ``@pytest.mark.fail_after(seconds)`` bounds an
+  async test as ``trio.fail_after`` would: a lost wakeup fails the test
+  instead of hanging the suite.
 - Markers (registered in pyproject.toml): ``fuse`` (mounts a FUSE
   filesystem), ``root``, ``cluster`` (several daemons and a controller),
   ``slow``.  A test that uses a mount fixture (``FUSE_FIXTURES``) is marked
@@ -30,12 +35,15 @@ os.environ.setdefault("AITURBOFS_CHECK_INVARIANTS", "1")
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 
+import functools  # noqa: E402
+import inspect  # noqa: E402
 import shutil  # noqa: E402
 import stat  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
+from collections.abc import Generator, Iterator  # noqa: E402
 
 import pgserver  # noqa: E402
 import pytest  # noqa: E402
+import trio  # noqa: E402
 from pgserver import PgServer  # noqa: E402
 from s3server import OutageS3Server, S3Server  # noqa: E402
 
@@ -83,6 +91,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         root = item.get_closest_marker("root")
         if not_root and root:
             item.add_marker(pytest.mark.skip(reason=f"needs root: {root.args[0]}" if root.args else "needs root"))
+
+
+# ------------------------------------------------------------------- async tests
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    """anyio's plugin runs every async test and async fixture on this backend.
+
+    It overrides anyio's own fixture (every backend installed) because
+    pyproject.toml loads anyio's plugin before this one.
+    """
+    return "trio"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Generator[None, object, object]:
+    """Run an async test marked ``fail_after(seconds)`` inside ``trio.fail_after(seconds)``."""
+    marker = pyfuncitem.get_closest_marker("fail_after")
+    test = pyfuncitem.obj
+    if marker is None or not inspect.iscoroutinefunction(test):
+        return (yield)
+
+    @functools.wraps(test)
+    async def bounded(*args, **kwargs):
+        with trio.fail_after(*marker.args):
+            return await test(*args, **kwargs)
+
+    pyfuncitem.obj = bounded
+    try:
+        return (yield)
+    finally:
+        pyfuncitem.obj = test
 
 
 # ----------------------------------------------------------------------- servers

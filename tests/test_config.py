@@ -309,7 +309,7 @@ def _meta_has_membership() -> bool:
 
 
 @pytest.mark.skipif(not _meta_has_membership(), reason="the SQLite engine has no membership calls yet")
-def test_controller_from_the_config_file_serves_nodes(tmp_path):
+async def test_controller_from_the_config_file_serves_nodes(tmp_path):
     from aiturbofs.fabric import TcpTransport
 
     secret = tmp_path / "secret"
@@ -340,7 +340,7 @@ log_level = "info"
                     answer = await peer.control({"op": "heartbeat", "node": "n1"})
                     assert [n["node"] for n in answer["nodes"]] == ["n1"]
 
-        trio.run(main)
+        await main()
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err

@@ -531,7 +531,7 @@ def test_size_beyond_what_the_backend_holds_is_efbig(s3m, daemon_data_path):
     assert_no_bug(m.log())
 
 
-def test_parts_failing_together_are_one_transient_error():
+async def test_parts_failing_together_are_one_transient_error():
     """Regression: parts failing in one outage raised an exception group, which
     the retry loop did not catch: the file was left "persisting", never retried."""
     parts = PERSIST_PARTS_IN_FLIGHT
@@ -568,7 +568,7 @@ def test_parts_failing_together_are_one_transient_error():
         with pytest.raises(TransientBackendError, match="connection refused"):
             await Persister(fs).uploads.send(row, "k")
 
-    trio.run(main)
+    await main()
     assert upload.aborted
 
 
@@ -601,7 +601,7 @@ def fake_fs(meta=None):
                            is_open=lambda ino: False)
 
 
-def test_broken_marks_the_version_that_failed_not_a_newer_one():
+async def test_broken_marks_the_version_that_failed_not_a_newer_one():
     """D14: version 2 committed between version 1's failed upload and the
     marking was marked broken (and unpinned) without ever being tried."""
     meta = FakeMeta(7, version=1)
@@ -613,14 +613,14 @@ def test_broken_marks_the_version_that_failed_not_a_newer_one():
         raise BackendError("part 0 of 'f.bin': refused")
 
     p.reconciler.reconcile = reconcile
-    trio.run(p._persist_one, 7)
+    await p._persist_one(7)
     assert ("broken", 2) not in meta.states
     assert meta.row.state != "broken"
     assert 7 in p._pending  # version 2 gets a job of its own
     assert p.stats.files_broken == 0
 
 
-def test_finished_jobs_drop_their_round_hints():
+async def test_finished_jobs_drop_their_round_hints():
     """D12: the round plan's hints were kept for every grouped commit forever."""
     p = Persister(fake_fs(FakeMeta(7, version=1)))
 
@@ -630,11 +630,11 @@ def test_finished_jobs_drop_their_round_hints():
     p.reconciler.reconcile = reconcile
     for ino in range(1, 201):
         p.set_hints(ino, 1, PersistHints())
-        trio.run(p._persist_one, ino)
+        await p._persist_one(ino)
     assert p.uploads.hints == {}
 
 
-def test_a_late_deferral_leaves_the_object_another_file_moved_in(tmp_path):
+async def test_a_late_deferral_leaves_the_object_another_file_moved_in(tmp_path):
     """Two durable files swap names (RENAME_EXCHANGE) and one of them is
     unlinked at once.  Its job had decided to wait for the other; the other,
     no longer held back by an unlinked file, moved its object onto the old
@@ -683,7 +683,7 @@ def test_a_late_deferral_leaves_the_object_another_file_moved_in(tmp_path):
         assert "b" not in (await meta.get_inode(b)).backend_keys  # its object there is gone
         await meta.close()
 
-    trio.run(main)
+    await main()
 
 
 async def _attrs_persister(tmp_path, data: bytes, *, durable: bool):
@@ -712,7 +712,7 @@ async def _attrs_persister(tmp_path, data: bytes, *, durable: bool):
     return Persister(host), meta, row.ino
 
 
-def test_a_chmod_of_a_durable_file_that_cannot_reach_the_backend_leaves_it_durable(tmp_path):
+async def test_a_chmod_of_a_durable_file_that_cannot_reach_the_backend_leaves_it_durable(tmp_path):
     """Only its attributes are missing there: never ``broken`` (reads would get EIO)."""
     async def main():
         p, meta, ino = await _attrs_persister(tmp_path, b"data", durable=True)
@@ -728,10 +728,10 @@ def test_a_chmod_of_a_durable_file_that_cannot_reach_the_backend_leaves_it_durab
         assert p.attrs_pending(row)  # asked again at the next change or state query
         await meta.close()
 
-    trio.run(main)
+    await main()
 
 
-def test_a_chmod_landing_after_the_upload_read_the_attributes_is_pushed_after_it(tmp_path):
+async def test_a_chmod_landing_after_the_upload_read_the_attributes_is_pushed_after_it(tmp_path):
     """The upload publishes with the mode read just before its rename; a chmod after
     that (before the file is marked durable) is given to the object by the same job."""
     data = b"x" * 1000
@@ -762,10 +762,10 @@ def test_a_chmod_landing_after_the_upload_read_the_attributes_is_pushed_after_it
         assert (p.stats.files_durable, p.stats.attrs_persisted) == (1, 1)
         await meta.close()
 
-    trio.run(main)
+    await main()
 
 
-def test_a_file_queued_while_files_in_flight_wait_gets_a_spare_upload():
+async def test_a_file_queued_while_files_in_flight_wait_gets_a_spare_upload():
     """Every upload in flight waited for a shared chunk that a file not yet
     queued was to upload: when that file was queued, no spare upload started
     (spares were only considered when a file began to wait), so it sat in the
@@ -790,11 +790,11 @@ def test_a_file_queued_while_files_in_flight_wait_gets_a_spare_upload():
             p._files_wait(-1)
             nursery.cancel_scope.cancel()
 
-    trio.run(main)
+    await main()
     assert ran == [9]
 
 
-def test_a_read_finds_an_object_moved_to_a_name_it_no_longer_has(tmp_path):
+async def test_a_read_finds_an_object_moved_to_a_name_it_no_longer_has(tmp_path):
     """A file is renamed (a -> b), then its directory renamed and a link made
     (b -> c, d) while the persister still moves its object from a to b.  A
     reader whose chunk is not in DRAM tried the recorded key (a, just moved
@@ -837,7 +837,7 @@ def test_a_read_finds_an_object_moved_to_a_name_it_no_longer_has(tmp_path):
             data = await ChunkFetcher(fs).chunk(5, 0, chunk.content_key(body), len(body), SimpleNamespace(**vars(row)))
         assert data == body
 
-    trio.run(main)
+    await main()
 
 
 def test_directory_cleanups_are_bounded_and_deduplicated(caplog):

@@ -690,7 +690,7 @@ def test_objects_from_other_tools_show_up(kind, request, make_mount, tmp_path):
 # ----------------------------------------------------------------- spill store unit
 
 
-def test_concurrent_spills_of_one_chunk_leave_a_whole_file(tmp_path):
+async def test_concurrent_spills_of_one_chunk_leave_a_whole_file(tmp_path):
     """Regression: two spills of one key shared a temp file; one renamed it half-written."""
     data = secrets.token_bytes(CHUNK)
     key = chunk.digest(data)
@@ -705,4 +705,4 @@ def test_concurrent_spills_of_one_chunk_leave_a_whole_file(tmp_path):
             assert os.listdir(tmp_path / "spill") == [key.hex()]
             store.discard(key)
 
-    trio.run(main)
+    await main()

@@ -15,7 +15,6 @@ import sys
 import tempfile
 
 import pytest
-import trio
 from mounting import REPO, is_mounted, wait_state
 from test_posix import tree
 
@@ -361,7 +360,7 @@ def test_local_backend_symlinks_are_imported_as_symlinks_and_never_followed(make
 
 
 # ------------------------------------------------------- keys from peers
-def test_upload_tokens_cannot_name_keys_outside_the_backend(tmp_path):
+async def test_upload_tokens_cannot_name_keys_outside_the_backend(tmp_path):
     """A peer that passed the handshake sends a key and an upload token with
     ``write_remote_part``: neither may point outside the backend root."""
     root = tmp_path / "root"
@@ -386,6 +385,6 @@ def test_upload_tokens_cannot_name_keys_outside_the_backend(tmp_path):
             await upload.abort()
             await backend.aclose()
 
-    trio.run(main)
+    await main()
     assert sorted(os.listdir(root)) in ([], ["dir"]) and not os.path.exists(tmp_path / "escape")
     assert not (root / "dir").exists() or os.listdir(root / "dir") == []
