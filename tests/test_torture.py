@@ -33,6 +33,8 @@ from torture import allows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+pytestmark = pytest.mark.slow  # ten minutes in all on a 2-core host: over a minute per case of random operations
+
 WORKERS = 4
 OPS = 60
 # (backend, dram, spill dir, seed): each on every data path.  A seed that ever failed is added here.
