@@ -7,8 +7,9 @@ database (``meta=``), one bucket and one cluster secret; it waits until every
 node has joined the controller and sees every other node.  ``close()`` always
 tears everything down (unmount with a bounded drain, then kill -9 whatever is
 left, then the controller), also when a test failed or a start failed half
-way.  The PostgreSQL server and the S3 server are the caller's (module
-scoped in ``test_cluster.py``): a cluster gets a fresh database and bucket.
+way.  The PostgreSQL server and the S3 server are the caller's (the
+fixture ``make_cluster`` passes the session's): a cluster gets a fresh
+database and bucket.
 
 The nodes reach S3 through a ``CountingProxy``: a byte-counting TCP relay in
 front of moto.  It is the S3 side's own count of what the nodes sent and of
@@ -35,8 +36,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Self
 
+from loopback import HOST, free_port
 from mounting import REPO, Mount, aiturbo, is_mounted
-from s3server import HOST, free_port
 
 from aiturbofs.node import control_socket
 from aiturbofs.node._control import call as control_call

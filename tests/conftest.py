@@ -1,23 +1,15 @@
+"""The suite's mounts and clusters: the data paths they run on, the fixtures that start them, their cleanup.
+
+The session's machinery (the servers, the async runner, the markers) is tests/plugin.py.
+"""
+
 import os
-import shutil
 
-# Before aiturbofs is imported: the pool in this process, and the daemons the tests start, check the
-# staging invariant at every hand-out (aiturbofs._limits.CHECK_INVARIANTS).
-os.environ.setdefault("AITURBOFS_CHECK_INVARIANTS", "1")
-os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+import pytest
+from cluster import Cluster
+from mounting import DATAPATH, STAGING_DIRS, TEST_LOGS, Mount, S3Mounts, wipe_staging
 
-import pytest  # noqa: E402
-from mounting import DATAPATH, STAGING_DIRS, TEST_LOGS, Mount, wipe_staging  # noqa: E402
-
-from aiturbofs.fuse import probe_passthrough  # noqa: E402
-
-
-def pytest_configure(config):
-    missing = [tool for tool in ("fusermount3",) if shutil.which(tool) is None]
-    if missing or not os.path.exists("/dev/fuse"):
-        raise pytest.UsageError(f"FUSE is needed for the tests: missing {missing or '/dev/fuse'} (apt-get install fuse3)")
-
+from aiturbofs.fuse import probe_passthrough
 
 # The conformance modules run on both FUSE data paths: the kernel-protocol session (with passthrough
 # where this host has it) and pyfuse3.  The rest (cluster, faults, outages, recovery, backends: the
@@ -140,3 +132,45 @@ def make_mount(tmp_path):
 def mnt(make_mount):
     """One mount over a local backend dir with the default options."""
     return make_mount()
+
+
+@pytest.fixture
+def s3(s3_outage_server, make_mount):
+    """The module's S3 server, running again (with its buckets) after the test.
+
+    Depends on ``make_mount`` so that it is torn down first: the mounts'
+    unmount then drains to a running server.
+    """
+    yield s3_outage_server
+    s3_outage_server.thaw()
+    s3_outage_server.start()
+
+
+@pytest.fixture
+def s3m(s3, make_mount) -> S3Mounts:
+    """Mounts of a fresh bucket of the module's S3 server (``s3``)."""
+    return S3Mounts(s3, make_mount)
+
+
+@pytest.fixture
+def make_cluster(pg_server, s3_server, tmp_path, request):
+    """Factory: make_cluster(**Cluster kwargs) -> started Cluster; all torn down after the test.
+
+    When the test failed, the tails of every daemon's log are printed (they
+    show up under "Captured stdout teardown"); the full logs stay in tmp_path.
+    """
+    clusters: list[Cluster] = []
+    failed_before = request.session.testsfailed
+
+    def factory(**kwargs) -> Cluster:
+        c = Cluster(str(tmp_path / f"c{len(clusters)}"), pg=pg_server, s3=s3_server, **kwargs)
+        clusters.append(c)
+        return c.start()
+
+    yield factory
+    for c in clusters:
+        if request.session.testsfailed > failed_before:
+            print(f"\n----- logs of the cluster in {c.root}\n{c.logs()}")
+        c.close()
+        if c.teardown_notes:
+            print(f"teardown of {c.root}: {c.teardown_notes}")

@@ -7,11 +7,14 @@ and lazily unmounts, so a failing test never leaves a mount behind.
 """
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import time
+
+from s3server import OutageS3Server
 
 from aiturbofs.node._paths import default_staging_dir
 
@@ -114,6 +117,22 @@ class Mount:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+class S3Mounts:
+    """One fresh bucket per test; mounts of ``s3://bucket/pre`` (the fixture ``s3m``)."""
+
+    def __init__(self, server: OutageS3Server, make_mount):
+        self.server = server
+        self.make_mount = make_mount
+        self.bucket = server.make_bucket(f"t-{secrets.token_hex(6)}")
+        self.url = f"s3://{self.bucket}/pre"
+
+    def mount(self, name: str = "m", **options):
+        return self.make_mount(self.url, name=name, s3_endpoint=self.server.endpoint, **options)
+
+    def objects(self) -> dict[str, bytes]:
+        return self.server.objects(self.bucket, "pre/")
 
 
 def wipe_staging(path: str) -> None:

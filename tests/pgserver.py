@@ -11,9 +11,9 @@ The superuser is ``aiturbo`` with trust authentication (no password).
 ``url`` names the database made at start; ``new_database()`` makes a fresh
 one and returns its URL (one per test keeps tests apart).  ``stop()`` kills
 the server with ``pg_ctl stop -m immediate`` and removes the directory; the
-context manager and the session-scoped pytest fixture ``pg_server`` (import
-it into a conftest or test module) always do so, also after a failure.  The
-fixture skips the tests when PostgreSQL is not installed.
+context manager and the session-scoped pytest fixture ``pg_server``
+(tests/plugin.py) always do so, also after a failure.  The fixture skips the
+tests when PostgreSQL is not installed.
 """
 
 from __future__ import annotations
@@ -22,14 +22,11 @@ import itertools
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
-from collections.abc import Iterator
 
-import pytest
+from loopback import HOST, free_port
 
-HOST = "127.0.0.1"
 PG_BIN = "/usr/lib/postgresql/15/bin"
 SUPERUSER = "aiturbo"
 OS_USER = "postgres"  # runs the server when the tests run as root
@@ -41,13 +38,6 @@ SKIP_REASON = "PostgreSQL 15 not installed (apt-get install postgresql)"
 
 def installed() -> bool:
     return all(os.access(os.path.join(PG_BIN, tool), os.X_OK) for tool in ("initdb", "pg_ctl"))
-
-
-def free_port() -> int:
-    """A port nothing listens on right now (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 class PgServer:
@@ -173,14 +163,3 @@ class PgServer:
         except (OSError, TypeError):
             return ""
 
-
-@pytest.fixture(scope="session")
-def pg_server() -> Iterator[PgServer]:
-    """A PostgreSQL server for the whole test session, stopped even when tests fail."""
-    if not installed():
-        pytest.skip(SKIP_REASON)
-    server = PgServer()
-    try:
-        yield server.start()
-    finally:
-        server.stop()

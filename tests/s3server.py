@@ -8,8 +8,8 @@ memory: a restarted server has no buckets and no objects.
 
 The test process talks to it with the dummy credentials ``testing`` that
 ``start()`` puts into ``os.environ`` (the boto credential chain reads them).
-``s3_server`` is a session-scoped pytest fixture (import it into a conftest
-or test module) that yields a started server and always stops it.
+The tests get servers from the fixtures ``s3_server`` and ``s3_outage_server``
+(tests/plugin.py).
 """
 
 from __future__ import annotations
@@ -21,22 +21,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 
-import pytest
+from loopback import HOST, free_port
 
-HOST = "127.0.0.1"
 START_TIMEOUT_S = 30.0  # moto imports a lot before it listens
 STOP_TIMEOUT_S = 5.0  # SIGTERM grace before SIGKILL
 POLL_S = 0.05
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-
-
-def free_port() -> int:
-    """A port nothing listens on right now (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 class S3Server:
@@ -151,11 +142,66 @@ def _answers_http(port: int) -> bool:
         return False
 
 
-@pytest.fixture(scope="session")
-def s3_server() -> Iterator[S3Server]:
-    """A moto server for the whole test session, stopped even when tests fail."""
-    server = S3Server()
-    try:
-        yield server.start()
-    finally:
-        server.close()
+# moto, with buckets created in-process before it listens: a persist retry that lands between
+# "listening" and "bucket re-created" would get NoSuchBucket, a permanent error, and mark the
+# file broken.
+_PRELOADED_MOTO = """
+import sys
+from moto.core import DEFAULT_ACCOUNT_ID
+from moto.s3.models import s3_backends
+for name in sys.argv[3:]:
+    s3_backends[DEFAULT_ACCOUNT_ID]["global"].create_bucket(name, "us-east-1")
+from moto.server import main
+main(["-H", sys.argv[1], "-p", sys.argv[2]])
+"""
+
+
+class OutageS3Server(S3Server):
+    """An ``S3Server`` whose ``start()`` brings back every bucket made so far (empty).
+
+    For tests of backend outages: ``stop()`` then ``start()`` is a refusing
+    server, ``freeze()`` then ``thaw()`` an unresponsive one that keeps its data.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buckets: list[str] = []
+
+    def start(self) -> OutageS3Server:
+        os.environ.update(CREDENTIALS)
+        if self.running:
+            return self
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _PRELOADED_MOTO, HOST, str(self.port), *self.buckets],
+            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def freeze(self) -> None:
+        """SIGSTOP: an outage that keeps the data (requests hang, then time out)."""
+        self._signal_group(self._proc, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        if self._proc is not None:
+            self._signal_group(self._proc, signal.SIGCONT)
+
+    def make_bucket(self, name: str) -> str:
+        self.buckets.append(name)
+        return super().make_bucket(name)
+
+    def objects(self, bucket: str, prefix: str = "") -> dict[str, bytes]:
+        """Every object under ``prefix`` (key relative to it) -> its bytes; the
+        zero-byte ``dir/`` markers of directories (docs/design.md) left out."""
+        c = self.client()
+        out = {}
+        for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            for o in page.get("Contents", ()):
+                if o["Key"].endswith("/"):
+                    continue
+                out[o["Key"][len(prefix):]] = c.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
+        return out

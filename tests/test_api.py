@@ -21,7 +21,6 @@ import pytest
 import trio
 from faults import FaultyS3Proxy
 from mounting import REPO, Mount, aiturbo, wait_state
-from s3server import s3_server  # noqa: F401  (a fixture)
 
 import aiturbofs
 from aiturbofs import _wait
@@ -61,7 +60,7 @@ class HeldS3:
 
 
 @pytest.fixture
-def held(s3_server, make_mount):  # noqa: F811
+def held(s3_server, make_mount):
     h = HeldS3(s3_server, make_mount)
     try:
         yield h

@@ -3,7 +3,7 @@
 ``BackendConformance`` holds the contract tests; every implementation passes
 them by supplying one fixture, ``target`` (fsspec style).  Implementation-
 specific behaviour (temp files, multipart uploads, outages, URL forms) is
-tested in the subclasses.  Each test runs its own ``trio.run``.
+tested in the subclasses.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import fsspec
 import pytest
 import trio
 import trio.testing
-from s3server import S3Server, free_port, s3_server  # noqa: F401  (s3_server is a fixture)
+from loopback import free_port
+from s3server import S3Server
 
 from aiturbofs._errors import (
     BackendError,
@@ -53,36 +54,30 @@ class Target:
     leftovers: Callable[[], list[str]] = lambda: []  # temp files, pending multipart uploads
 
 
-def run(target: Target, body: Callable[[Backend], Awaitable[None]]) -> None:
-    async def main() -> None:
-        backend = await open_backend(target.url, target.options)
-        try:
-            await body(backend)
-        finally:
-            await backend.aclose()
-
-    trio.run(main)
+async def run(target: Target, body: Callable[[Backend], Awaitable[None]]) -> None:
+    """Open a backend of ``target``, run ``body`` on it and close it."""
+    backend = await open_backend(target.url, target.options)
+    try:
+        await body(backend)
+    finally:
+        await backend.aclose()
 
 
-def run_pair(target: Target, body: Callable[[Backend, Backend], Awaitable[None]]) -> None:
+async def run_pair(target: Target, body: Callable[[Backend, Backend], Awaitable[None]]) -> None:
     """Like ``run`` with two backends opened separately, as two node processes would:
     the owner of an upload and another writer of its parts.  Skips where
     the backend cannot take parts from other processes."""
-
-    async def main() -> None:
-        owner = await open_backend(target.url, target.options)
+    owner = await open_backend(target.url, target.options)
+    try:
+        if not owner.supports_remote_parts:
+            pytest.skip(f"{type(owner).__name__} stages parts in its own process: supports_remote_parts is False")
+        other = await open_backend(target.url, target.options)
         try:
-            if not owner.supports_remote_parts:
-                pytest.skip(f"{type(owner).__name__} stages parts in its own process: supports_remote_parts is False")
-            other = await open_backend(target.url, target.options)
-            try:
-                await body(owner, other)
-            finally:
-                await other.aclose()
+            await body(owner, other)
         finally:
-            await owner.aclose()
-
-    trio.run(main)
+            await other.aclose()
+    finally:
+        await owner.aclose()
 
 
 async def put(backend: Backend, key: str, data: bytes, order: list[int] | None = None):
@@ -114,7 +109,7 @@ class BackendConformance:
     # --- uploads -------------------------------------------------------------------------
 
     @pytest.mark.parametrize("size", [0, 1, P, 2 * P + P // 2], ids=["empty", "1B", "1part", "2.5parts"])
-    def test_upload_and_read_back(self, target: Target, size: int):
+    async def test_upload_and_read_back(self, target: Target, size: int):
         data = os.urandom(size)
 
         async def body(b: Backend):
@@ -126,10 +121,10 @@ class BackendConformance:
             assert found == (info if info.mtime_ns else dataclasses.replace(info, mtime_ns=found.mtime_ns))
             assert await read_all(b, "dir/obj") == data
 
-        run(target, body)
+        await run(target, body)
         assert target.leftovers() == []
 
-    def test_parts_out_of_order_and_concurrent(self, target: Target):
+    async def test_parts_out_of_order_and_concurrent(self, target: Target):
         data = os.urandom(2 * P + 100)
 
         async def body(b: Backend):
@@ -140,9 +135,9 @@ class BackendConformance:
             await upload.complete(len(data))
             assert await read_all(b, "ooo") == data
 
-        run(target, body)
+        await run(target, body)
 
-    def test_resent_part_last_write_wins(self, target: Target):
+    async def test_resent_part_last_write_wins(self, target: Target):
         good = os.urandom(P + 10)
 
         async def body(b: Backend):
@@ -154,9 +149,9 @@ class BackendConformance:
             await upload.complete(len(good))
             assert await read_all(b, "resend") == good
 
-        run(target, body)
+        await run(target, body)
 
-    def test_complete_refuses_missing_or_wrong_parts(self, target: Target):
+    async def test_complete_refuses_missing_or_wrong_parts(self, target: Target):
         async def body(b: Backend):
             upload = await b.open_upload("holes")
             await upload.write_part(0, os.urandom(P))
@@ -168,10 +163,10 @@ class BackendConformance:
             await upload.abort()
             assert await b.stat("holes") is None
 
-        run(target, body)
+        await run(target, body)
         assert target.leftovers() == []
 
-    def test_copy_part_server_side_ranges(self, target: Target):
+    async def test_copy_part_server_side_ranges(self, target: Target):
         src = os.urandom(3 * P)
 
         async def body(b: Backend):
@@ -184,9 +179,9 @@ class BackendConformance:
             assert info.size == 2 * P + 1000
             assert await read_all(b, "dst") == src[P : 2 * P] + b"x" * P + src[P + 123 : P + 1123]
 
-        run(target, body)
+        await run(target, body)
 
-    def test_zero_parts_read_as_zeros(self, target: Target):
+    async def test_zero_parts_read_as_zeros(self, target: Target):
         data = os.urandom(P)
 
         async def body(b: Backend):
@@ -202,10 +197,10 @@ class BackendConformance:
             assert await read_all(b, "sparse") == bytes(2 * P) + data + bytes(100)
             assert await names(b, "") == {"sparse": False}  # nothing else to see
 
-        run(target, body)
+        await run(target, body)
         assert target.leftovers() == []
 
-    def test_copy_part_source_errors(self, target: Target):
+    async def test_copy_part_source_errors(self, target: Target):
         async def body(b: Backend):
             await put(b, "short", b"0123456789")
             upload = await b.open_upload("dst")
@@ -217,10 +212,10 @@ class BackendConformance:
                 await upload.complete(10)  # the failed part does not count
             await upload.abort()
 
-        run(target, body)
+        await run(target, body)
         assert target.leftovers() == []
 
-    def test_complete_replaces_existing_object(self, target: Target):
+    async def test_complete_replaces_existing_object(self, target: Target):
         async def body(b: Backend):
             old = await put(b, "obj", b"old version, longer")
             new = await put(b, "obj", b"new")
@@ -228,9 +223,9 @@ class BackendConformance:
             assert await read_all(b, "obj") == b"new"
             assert await names(b, "") == {"obj": False}
 
-        run(target, body)
+        await run(target, body)
 
-    def test_abort_leaves_nothing(self, target: Target):
+    async def test_abort_leaves_nothing(self, target: Target):
         async def body(b: Backend):
             upload = await b.open_upload("d/aborted")
             await upload.write_part(0, os.urandom(P))
@@ -242,10 +237,10 @@ class BackendConformance:
             with pytest.raises(BackendError, match="aborted"):
                 await upload.write_part(0, b"late")
 
-        run(target, body)
+        await run(target, body)
         assert target.leftovers() == []
 
-    def test_cancelled_part_counts_as_missing(self, target: Target):
+    async def test_cancelled_part_counts_as_missing(self, target: Target):
         async def body(b: Backend):
             upload = await b.open_upload("cancelled")
             await upload.write_part(0, b"first")
@@ -258,9 +253,9 @@ class BackendConformance:
             await upload.complete(5)
             assert await read_all(b, "cancelled") == b"third"
 
-        run(target, body)
+        await run(target, body)
 
-    def test_abort_waits_for_parts_in_flight(self, target: Target):
+    async def test_abort_waits_for_parts_in_flight(self, target: Target):
         async def body(b: Backend):
             upload = await b.open_upload("racing")
             async with trio.open_nursery() as nursery:
@@ -270,10 +265,10 @@ class BackendConformance:
                 await upload.abort()  # the parts finish first; nothing may land after
             assert await b.stat("racing") is None
 
-        run(target, body)
+        await run(target, body)
         assert target.leftovers() == []
 
-    def test_abort_after_complete_keeps_object(self, target: Target):
+    async def test_abort_after_complete_keeps_object(self, target: Target):
         async def body(b: Backend):
             upload = await b.open_upload("kept")
             await upload.write_part(0, b"data")
@@ -281,9 +276,9 @@ class BackendConformance:
             await upload.abort()
             assert await read_all(b, "kept") == b"data"
 
-        run(target, body)
+        await run(target, body)
 
-    def test_copy_part_if_etag(self, target: Target):
+    async def test_copy_part_if_etag(self, target: Target):
         old = os.urandom(2 * P)
         new = os.urandom(2 * P + 1)  # another size too: local etags are mtime (coarse) and size
 
@@ -303,12 +298,12 @@ class BackendConformance:
             await upload.complete(2 * P)
             assert await read_all(b, "dst") == old
 
-        run(target, body)
+        await run(target, body)
         assert target.leftovers() == []
 
     # --- parts written by other processes -------------------------------------------------
 
-    def test_remote_parts_from_another_backend(self, target: Target):
+    async def test_remote_parts_from_another_backend(self, target: Target):
         data = os.urandom(3 * P + 100)
         parts = [memoryview(data)[offset : offset + P] for offset in range(0, len(data), P)]
 
@@ -332,10 +327,10 @@ class BackendConformance:
             assert info.size == len(data)
             assert await read_all(other, "shared/obj") == data
 
-        run_pair(target, body)
+        await run_pair(target, body)
         assert target.leftovers() == []
 
-    def test_remote_part_replaces_small_local_part(self, target: Target):
+    async def test_remote_part_replaces_small_local_part(self, target: Target):
         async def body(owner: Backend, other: Backend):
             upload = await owner.open_upload("tiny")
             await upload.write_part(0, b"old!")
@@ -344,10 +339,10 @@ class BackendConformance:
             await upload.complete(4)
             assert await read_all(owner, "tiny") == b"new!"
 
-        run_pair(target, body)
+        await run_pair(target, body)
         assert target.leftovers() == []
 
-    def test_bad_tokens_rejected(self, target: Target):
+    async def test_bad_tokens_rejected(self, target: Target):
         async def body(owner: Backend, other: Backend):
             upload = await owner.open_upload("a")
             token = await upload.token()
@@ -375,10 +370,10 @@ class BackendConformance:
                 upload.add_remote_part(0, 1, "")
             await upload.abort()
 
-        run_pair(target, body)
+        await run_pair(target, body)
         assert target.leftovers() == []
 
-    def test_remote_part_wrong_length_caught_at_complete(self, target: Target):
+    async def test_remote_part_wrong_length_caught_at_complete(self, target: Target):
         data = os.urandom(2 * P)
 
         async def body(owner: Backend, other: Backend):
@@ -393,10 +388,10 @@ class BackendConformance:
             await upload.complete(2 * P)
             assert await read_all(other, "short") == data
 
-        run_pair(target, body)
+        await run_pair(target, body)
         assert target.leftovers() == []
 
-    def test_remote_write_after_complete_or_abort_fails(self, target: Target):
+    async def test_remote_write_after_complete_or_abort_fails(self, target: Target):
         async def body(owner: Backend, other: Backend):
             for end in ("complete", "abort"):
                 upload = await owner.open_upload(f"ended-{end}")
@@ -410,12 +405,12 @@ class BackendConformance:
             assert await read_all(other, "ended-complete") == b"data"
             assert await owner.stat("ended-abort") is None
 
-        run_pair(target, body)
+        await run_pair(target, body)
         assert target.leftovers() == []
 
     # --- reads and listings -----------------------------------------------------------------
 
-    def test_read_range(self, target: Target):
+    async def test_read_range(self, target: Target):
         data = os.urandom(1000)
 
         async def body(b: Backend):
@@ -431,9 +426,9 @@ class BackendConformance:
             with pytest.raises(BackendNotFound):
                 await b.read_range("missing", 0, 10)
 
-        run(target, body)
+        await run(target, body)
 
-    def test_read_range_if_etag(self, target: Target):
+    async def test_read_range_if_etag(self, target: Target):
         old = os.urandom(1000)
         new = os.urandom(1001)  # another size too: local etags hold the mtime (coarse) and size
 
@@ -458,9 +453,9 @@ class BackendConformance:
                 with pytest.raises(BackendNotFound):
                     await b.read_range("r", 0, length, if_etag=etag)
 
-        run(target, body)
+        await run(target, body)
 
-    def test_list_dir(self, target: Target):
+    async def test_list_dir(self, target: Target):
         async def body(b: Backend):
             await put(b, "a/b/c.bin", b"c")
             await put(b, "a/d.bin", b"dd")
@@ -474,9 +469,9 @@ class BackendConformance:
             assert await b.list_dir("a/missing/deeper") == []
             assert await b.list_dir("e.bin") == []  # an object is not a directory
 
-        run(target, body)
+        await run(target, body)
 
-    def test_stat(self, target: Target):
+    async def test_stat(self, target: Target):
         async def body(b: Backend):
             await put(b, "x/y", b"12345")
             info = await b.stat("x/y")
@@ -486,11 +481,11 @@ class BackendConformance:
             assert await b.stat("x/missing") is None
             assert await b.stat("x/y/under-a-file") is None
 
-        run(target, body)
+        await run(target, body)
 
     # --- whole-object operations ------------------------------------------------------------
 
-    def test_copy(self, target: Target):
+    async def test_copy(self, target: Target):
         async def body(b: Backend):
             await put(b, "c/src", b"source")
             await put(b, "c/existing", b"to be replaced")
@@ -502,10 +497,10 @@ class BackendConformance:
             with pytest.raises(BackendNotFound):
                 await b.copy("c/missing", "c/x")
 
-        run(target, body)
+        await run(target, body)
         assert target.leftovers() == []
 
-    def test_copy_by_parts(self, target: Target, monkeypatch):
+    async def test_copy_by_parts(self, target: Target, monkeypatch):
         # Force the part-by-part path used for objects beyond CopyObject's limit.
         monkeypatch.setattr(_base, "BACKEND_COPY_PART_BYTES", 5 * MiB)
         monkeypatch.setattr(_s3, "S3_COPY_OBJECT_BYTES_MAX", 1)
@@ -516,10 +511,10 @@ class BackendConformance:
             await b.copy("big", "big-copy")
             assert await read_all(b, "big-copy") == data
 
-        run(target, body)
+        await run(target, body)
         assert target.leftovers() == []
 
-    def test_move(self, target: Target):
+    async def test_move(self, target: Target):
         async def body(b: Backend):
             await put(b, "m/src", b"moving")
             await b.move("m/src", "elsewhere/deep/dst")
@@ -530,9 +525,9 @@ class BackendConformance:
             with pytest.raises(BackendNotFound):
                 await b.move("m/missing", "m/x")
 
-        run(target, body)
+        await run(target, body)
 
-    def test_delete(self, target: Target):
+    async def test_delete(self, target: Target):
         async def body(b: Backend):
             await put(b, "del/me", b"x")
             await b.delete("del/me")
@@ -540,9 +535,9 @@ class BackendConformance:
             await b.delete("del/me")  # missing is not an error
             await b.delete("never/existed")
 
-        run(target, body)
+        await run(target, body)
 
-    def test_makedirs_and_remove_dir(self, target: Target):
+    async def test_makedirs_and_remove_dir(self, target: Target):
         async def body(b: Backend):
             await b.makedirs("m/n/o")
             await b.makedirs("m/n/o")  # exists: fine
@@ -553,11 +548,11 @@ class BackendConformance:
             await b.remove_dir("")  # the root is never removed
             assert await read_all(b, "full/file") == b"x"
 
-        run(target, body)
+        await run(target, body)
 
     # --- keys ---------------------------------------------------------------------------------
 
-    def test_nodes_written_read_and_removed(self, target: Target):
+    async def test_nodes_written_read_and_removed(self, target: Target):
         """Symlinks, FIFOs and empty directories in the backend's form (docs/design.md)."""
         async def body(b: Backend):
             kinds = b.node_kinds
@@ -597,12 +592,12 @@ class BackendConformance:
             await b.remove_dir("n/full")
             assert await names(b, "n") == {"n/plain": False}
 
-        run(target, body)
+        await run(target, body)
 
     @pytest.mark.parametrize(
         "key", ["..", "../x", "a/../b", "/abs", "a//b", "a/", ".", "a/./b", "x\0y", UPLOAD_TEMP_PREFIX + "x"]
     )
-    def test_bad_keys_rejected(self, target: Target, key: str):
+    async def test_bad_keys_rejected(self, target: Target, key: str):
         async def body(b: Backend):
             for call in (
                 lambda: b.stat(key),
@@ -619,15 +614,15 @@ class BackendConformance:
                 with pytest.raises(BackendError, match="bad backend key"):
                     await call()
 
-        run(target, body)
+        await run(target, body)
 
-    def test_root_is_not_an_object(self, target: Target):
+    async def test_root_is_not_an_object(self, target: Target):
         async def body(b: Backend):
             for call in (lambda: b.open_upload(""), lambda: b.delete(""), lambda: b.read_range("", 0, 1)):
                 with pytest.raises(BackendError):
                     await call()
 
-        run(target, body)
+        await run(target, body)
 
 
 # --- implementations -----------------------------------------------------------------------------
@@ -666,7 +661,7 @@ def _kill_mid_upload(target: Target, key: str) -> None:
         proc.wait()
 
 
-def _dead_temps_go_and_live_ones_stay(target: Target, key: str, other_key: str) -> None:
+async def _dead_temps_go_and_live_ones_stay(target: Target, key: str, other_key: str) -> None:
     """The temp of an uploader killed while writing ``key`` is gone once the next upload starts (in
     its directory, for backends whose temps are beside the target); a live upload's temp is kept
     meanwhile by everything that removes dead ones, in this process and in another."""
@@ -693,7 +688,7 @@ def _dead_temps_go_and_live_ones_stay(target: Target, key: str, other_key: str) 
         assert await read_all(b, key) == b"1234live"
         assert await read_all(b, other_key) == b"other"
 
-    run(target, body)
+    await run(target, body)
     assert target.leftovers() == []
 
 
@@ -703,7 +698,7 @@ class TestLocal(BackendConformance):
         root = str(tmp_path / "root")
         return Target(f"file://{root}", leftovers=lambda: _temp_files(root))
 
-    def test_temp_file_is_hidden_and_beside_target(self, target: Target):
+    async def test_temp_file_is_hidden_and_beside_target(self, target: Target):
         root = target.url[len("file://") :]
 
         async def body(b: Backend):
@@ -716,13 +711,13 @@ class TestLocal(BackendConformance):
             assert _temp_files(root) == []
             assert sorted(os.listdir(os.path.join(root, "sub"))) == ["name.bin"]
 
-        run(target, body)
+        await run(target, body)
 
-    def test_temps_of_a_killed_uploader_go_at_the_next_upload_and_a_live_ones_stay(self, target: Target):
+    async def test_temps_of_a_killed_uploader_go_at_the_next_upload_and_a_live_ones_stay(self, target: Target):
         """issue 23: a kill -9 during uploads left ``.aiturbo-upload.*`` files in the backend forever."""
-        _dead_temps_go_and_live_ones_stay(target, "sub/a.bin", "sub/b.bin")
+        await _dead_temps_go_and_live_ones_stay(target, "sub/a.bin", "sub/b.bin")
 
-    def test_temps_of_a_killed_uploader_go_when_listed_or_in_the_way_of_a_rmdir(self, target: Target):
+    async def test_temps_of_a_killed_uploader_go_when_listed_or_in_the_way_of_a_rmdir(self, target: Target):
         root = target.url[len("file://") :]
         _kill_mid_upload(target, "listed/a.bin")
         _kill_mid_upload(target, "removed/a.bin")
@@ -734,9 +729,9 @@ class TestLocal(BackendConformance):
             await b.remove_dir("removed")  # only a dead upload's temp was in it
             assert not os.path.exists(os.path.join(root, "removed"))
 
-        run(target, body)
+        await run(target, body)
 
-    def test_a_temp_reaped_while_its_upload_waits_to_publish_fails_that_publish_for_a_retry(self, target: Target):
+    async def test_a_temp_reaped_while_its_upload_waits_to_publish_fails_that_publish_for_a_retry(self, target: Target):
         """The shared lock an upload holds turns exclusive at publish, and flock drops it while it
         waits for remote writers: a reaper that comes between must not make a publish of a
         removed temp look done."""
@@ -753,9 +748,9 @@ class TestLocal(BackendConformance):
             await upload.abort()
             assert await b.stat("k") is None
 
-        run(target, body)
+        await run(target, body)
 
-    def test_published_object_has_its_attributes_and_its_temp_was_its_owners_only(self, target: Target):
+    async def test_published_object_has_its_attributes_and_its_temp_was_its_owners_only(self, target: Target):
         """A 0600 file of another user never is, not even while it is written,
         a file every local user can read (issue 23: files arrived 0644 root)."""
         root = target.url[len("file://") :]
@@ -785,9 +780,9 @@ class TestLocal(BackendConformance):
             st = os.stat(os.path.join(root, "copy"))
             assert (stat.S_IMODE(st.st_mode), st.st_mtime_ns) == (0o640, mtime_ns + 1)
 
-        run(target, body)
+        await run(target, body)
 
-    def test_set_attrs_changes_no_bytes(self, target: Target):
+    async def test_set_attrs_changes_no_bytes(self, target: Target):
         """chmod/chown/utime of a durable file, directory or node reach the backend in place."""
         root = target.url[len("file://") :]
         uid = _OTHER_ID if _ROOT else os.getuid()
@@ -819,26 +814,26 @@ class TestLocal(BackendConformance):
             with pytest.raises(BackendNotFound):
                 await b.set_attrs("missing", NodeAttrs(stat.S_IFREG | 0o600))
 
-        run(target, body)
+        await run(target, body)
 
-    def test_long_name_still_fits_beside_it(self, target: Target):
+    async def test_long_name_still_fits_beside_it(self, target: Target):
         async def body(b: Backend):
             await put(b, "n" * 255, b"long")
             assert await read_all(b, "n" * 255) == b"long"
 
-        run(target, body)
+        await run(target, body)
 
-    def test_root_created_if_parent_exists(self, tmp_path):
-        run(Target(str(tmp_path / "fresh")), lambda b: trio.sleep(0))  # a plain path works too
+    async def test_root_created_if_parent_exists(self, tmp_path):
+        await run(Target(str(tmp_path / "fresh")), lambda b: trio.sleep(0))  # a plain path works too
         assert oct(os.stat(tmp_path / "fresh").st_mode & 0o777) == oct(0o755 & ~_umask())
         with pytest.raises(BackendError, match="neither does its parent"):
-            run(Target(f"file://{tmp_path}/no/such/root"), lambda b: trio.sleep(0))
+            await run(Target(f"file://{tmp_path}/no/such/root"), lambda b: trio.sleep(0))
 
-    def test_unknown_option_rejected(self, target: Target):
+    async def test_unknown_option_rejected(self, target: Target):
         with pytest.raises(ConfigError, match="s3_endpoint"):
-            run(Target(target.url, {"s3_endpoint": "http://x"}), lambda b: trio.sleep(0))
+            await run(Target(target.url, {"s3_endpoint": "http://x"}), lambda b: trio.sleep(0))
 
-    def test_token_names_only_a_temp_beside_the_key(self, target: Target):
+    async def test_token_names_only_a_temp_beside_the_key(self, target: Target):
         root = target.url[len("file://") :]
 
         async def body(owner: Backend, other: Backend):
@@ -853,9 +848,9 @@ class TestLocal(BackendConformance):
                     await other.write_remote_part("d/k", json.dumps({**fields, "temp": evil}), 0, b"x")
             await upload.abort()
 
-        run_pair(target, body)
+        await run_pair(target, body)
 
-    def test_receipt_must_match_length(self, target: Target):
+    async def test_receipt_must_match_length(self, target: Target):
         async def body(owner: Backend, other: Backend):
             upload = await owner.open_upload("r")
             receipt = await other.write_remote_part("r", await upload.token(), 0, b"12345")
@@ -863,9 +858,9 @@ class TestLocal(BackendConformance):
                 upload.add_remote_part(0, 9, receipt)  # the bytes beyond 5 would be a hole of zeros
             await upload.abort()
 
-        run_pair(target, body)
+        await run_pair(target, body)
 
-    def test_publish_waits_for_a_remote_write_in_flight(self, target: Target):
+    async def test_publish_waits_for_a_remote_write_in_flight(self, target: Target):
         root = target.url[len("file://") :]
 
         async def body(owner: Backend, other: Backend):
@@ -884,9 +879,9 @@ class TestLocal(BackendConformance):
             assert early is None  # the rename waited for the writer
             assert await read_all(owner, "locked") == b"x"
 
-        run_pair(target, body)
+        await run_pair(target, body)
 
-    def test_zero_parts_stay_holes(self, target: Target):
+    async def test_zero_parts_stay_holes(self, target: Target):
         root = target.url[len("file://") :]
 
         async def body(b: Backend):
@@ -903,12 +898,12 @@ class TestLocal(BackendConformance):
             assert await read_all(b, "sparse") == bytes(2 * P) + part + b"tail"
 
         part = bytes(P // 2) + os.urandom(MiB) + bytes(P // 2 - MiB)
-        run(target, body)
+        await run(target, body)
         st = os.stat(os.path.join(root, "sparse"))
         assert st.st_size == 3 * P + 4
         assert st.st_blocks * 512 <= MiB + 64 * 1024, st.st_blocks  # the data's blocks, not 24 MiB
 
-    def test_copy_keeps_holes(self, target: Target):
+    async def test_copy_keeps_holes(self, target: Target):
         # copy_file_range alone writes a source's holes as zeros (ext4, tmpfs):
         # a hard link of a sparse file would be stored dense
         root = target.url[len("file://") :]
@@ -930,12 +925,12 @@ class TestLocal(BackendConformance):
             await upload.complete(2 * P + 4)
             assert await read_all(b, "ranges") == want[P - 4096 : 2 * P - 4096] + want[2 * P :]
 
-        run(target, body)
+        await run(target, body)
         for name, data_bytes in (("dst", P + 4), ("ranges", P + 4)):
             allocated = os.stat(os.path.join(root, name)).st_blocks * 512
             assert allocated <= data_bytes + 64 * 1024, (name, allocated)
 
-    def test_read_range_if_etag_sees_an_in_place_write_during_the_read(self, target: Target, monkeypatch):
+    async def test_read_range_if_etag_sees_an_in_place_write_during_the_read(self, target: Target, monkeypatch):
         # Another tool rewrites the object in place (the same inode): the
         # etag checked before the read still matches, the one after does not.
         root = target.url[len("file://") :]
@@ -957,9 +952,9 @@ class TestLocal(BackendConformance):
                 await b.read_range("r", 0, 9, if_etag=etag)
             assert await b.read_range("r", 0, 9) == b"new bytes"
 
-        run(target, body)
+        await run(target, body)
 
-    def test_copy_part_uses_copy_file_range(self, target: Target, monkeypatch):
+    async def test_copy_part_uses_copy_file_range(self, target: Target, monkeypatch):
         calls = []
         real = os.copy_file_range
         monkeypatch.setattr(os, "copy_file_range", lambda *args: calls.append(args) or real(*args))
@@ -971,7 +966,7 @@ class TestLocal(BackendConformance):
             await upload.complete(5)
             assert await read_all(b, "dst") == b"23456"
 
-        run(target, body)
+        await run(target, body)
         assert calls  # in the kernel, not through this process (supports_server_copy)
 
 
@@ -994,15 +989,15 @@ class TestMemory(BackendConformance):
         yield Target(root, {"upload_tmp_dir": str(tmp_path)}, leftovers=lambda: _temp_files(str(tmp_path)))
         fsspec.filesystem("memory").rm(root, recursive=True)  # the store is process-wide
 
-    def test_unknown_protocol_is_config_error(self):
+    async def test_unknown_protocol_is_config_error(self):
         with pytest.raises(ConfigError, match="nosuchproto"):
-            run(Target("nosuchproto://x"), lambda b: trio.sleep(0))
+            await run(Target("nosuchproto://x"), lambda b: trio.sleep(0))
 
-    def test_temps_of_a_killed_uploader_go_at_the_next_upload_and_a_live_ones_stay(self, target: Target):
+    async def test_temps_of_a_killed_uploader_go_at_the_next_upload_and_a_live_ones_stay(self, target: Target):
         """Parts are staged in the local temp dir: a kill -9 left them there for good."""
-        _dead_temps_go_and_live_ones_stay(target, "sub/a.bin", "sub/b.bin")
+        await _dead_temps_go_and_live_ones_stay(target, "sub/a.bin", "sub/b.bin")
 
-    def test_remote_parts_not_supported(self, target: Target):
+    async def test_remote_parts_not_supported(self, target: Target):
         async def body(b: Backend):
             assert not b.supports_remote_parts
             upload = await b.open_upload("k")
@@ -1014,7 +1009,7 @@ class TestMemory(BackendConformance):
                 await b.write_remote_part("k", "{}", 0, b"x")
             await upload.abort()
 
-        run(target, body)
+        await run(target, body)
         assert target.leftovers() == []
 
 
@@ -1034,19 +1029,19 @@ class TestS3(BackendConformance):
 
         return Target(f"s3://{bucket}/pre/fix", {"s3_endpoint": s3_server.endpoint}, leftovers=pending_uploads)
 
-    def test_prefix_maps_keys(self, target: Target, s3_server: S3Server):
+    async def test_prefix_maps_keys(self, target: Target, s3_server: S3Server):
         bucket = target.url.split("/")[2]
 
         async def body(b: Backend):
             await put(b, "k", b"v")
 
-        run(target, body)
+        await run(target, body)
         keys = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=bucket)["Contents"]]
         assert keys == ["pre/fix/k"]
         whole = Target(f"s3://{bucket}", target.options)
-        run(whole, lambda b: _expect(names(b, "pre"), {"pre/fix": True}))
+        await run(whole, lambda b: _expect(names(b, "pre"), {"pre/fix": True}))
 
-    def test_hole_parts_copy_one_zero_object(self, target: Target, s3_server: S3Server):
+    async def test_hole_parts_copy_one_zero_object(self, target: Target, s3_server: S3Server):
         bucket = target.url.split("/")[2]
 
         async def sparse(b: Backend, key: str, holes: int) -> list[tuple[int, int]]:
@@ -1066,12 +1061,12 @@ class TestS3(BackendConformance):
             assert await read_all(b, "b") == bytes(P) + b"tail"
             assert await names(b, "") == {"a": False, "b": False}  # hidden from listings
 
-        run(target, body)
+        await run(target, body)
         # another process (a remount) finds the zero object and sends nothing
-        run(target, lambda b: _expect(sparse(b, "c", 2), [(0, P), (0, P)]))
+        await run(target, lambda b: _expect(sparse(b, "c", 2), [(0, P), (0, P)]))
         assert target.leftovers() == []
 
-    def test_complete_recovers_when_its_answer_is_lost(self, target: Target):
+    async def test_complete_recovers_when_its_answer_is_lost(self, target: Target):
         data = os.urandom(P + 5)
 
         async def body(b: Backend):
@@ -1107,9 +1102,9 @@ class TestS3(BackendConformance):
             await upload.abort()
             assert await read_all(b, "gone") == b"someone else's object"
 
-        run(target, body)
+        await run(target, body)
 
-    def test_token_of_another_prefix_rejected(self, target: Target):
+    async def test_token_of_another_prefix_rejected(self, target: Target):
         async def body(b: Backend):
             upload = await b.open_upload("k")
             token = await upload.token()
@@ -1121,10 +1116,10 @@ class TestS3(BackendConformance):
                 await elsewhere.aclose()
             await upload.abort()
 
-        run(target, body)
+        await run(target, body)
         assert target.leftovers() == []
 
-    def test_copy_part_sends_copy_source_if_match(self, target: Target):
+    async def test_copy_part_sends_copy_source_if_match(self, target: Target):
         # moto ignores CopySourceIfMatch (the HEAD before the copy catches a
         # change there); real S3 answers 412, mapped to SourceChanged.
         async def body(b: Backend):
@@ -1143,9 +1138,9 @@ class TestS3(BackendConformance):
             await upload.complete(P)
             assert sent == [f'"{etag}"', None]
 
-        run(target, body)
+        await run(target, body)
 
-    def test_read_range_if_etag_is_one_conditional_get(self, target: Target):
+    async def test_read_range_if_etag_is_one_conditional_get(self, target: Target):
         # IfMatch on the GetObject itself: a HEAD before the read would leave
         # a gap in which the object could be replaced (moto honours IfMatch
         # on ranged GETs, 412 before 416, as S3 does).
@@ -1166,9 +1161,9 @@ class TestS3(BackendConformance):
             assert await b.read_range("r", 2, 3) == b"234"
             assert (calls, if_match) == ([], [f'"{etag}"', None])
 
-        run(target, body)
+        await run(target, body)
 
-    def test_list_dir_pages(self, target: Target):
+    async def test_list_dir_pages(self, target: Target):
         async def body(b: Backend):
             b.list_page_keys = 2
             for name in ("a", "b", "c", "d/x", "e/y"):
@@ -1177,23 +1172,23 @@ class TestS3(BackendConformance):
                 "many/a": False, "many/b": False, "many/c": False, "many/d": True, "many/e": True
             }
 
-        run(target, body)
+        await run(target, body)
 
-    def test_missing_bucket_is_permanent(self, s3_server: S3Server):
+    async def test_missing_bucket_is_permanent(self, s3_server: S3Server):
         with pytest.raises(BackendError, match="no-such-bucket") as caught:
-            run(Target("s3://no-such-bucket", {"s3_endpoint": s3_server.endpoint}), lambda b: trio.sleep(0))
+            await run(Target("s3://no-such-bucket", {"s3_endpoint": s3_server.endpoint}), lambda b: trio.sleep(0))
         assert not isinstance(caught.value, TransientBackendError)
 
-    def test_nothing_listening_is_transient(self):
+    async def test_nothing_listening_is_transient(self):
         options = {"s3_endpoint": f"http://127.0.0.1:{free_port()}", "s3_connect_timeout": "0.5"}
         with pytest.raises(TransientBackendError):
-            run(Target("s3://bucket", options), lambda b: trio.sleep(0))
+            await run(Target("s3://bucket", options), lambda b: trio.sleep(0))
 
-    def test_ca_bundle_does_not_break_plain_http(self, target: Target, monkeypatch):
+    async def test_ca_bundle_does_not_break_plain_http(self, target: Target, monkeypatch):
         monkeypatch.setenv("AWS_CA_BUNDLE", "/nonexistent/ca-bundle.pem")
-        run(target, lambda b: _expect(names(b, ""), {}))
+        await run(target, lambda b: _expect(names(b, ""), {}))
 
-    def test_outage_is_transient_then_recovers(self):
+    async def test_outage_is_transient_then_recovers(self):
         options = {"s3_connect_timeout": "0.5", "call_timeout_s": "10"}
         with S3Server() as server:
             server.make_bucket("outage")
@@ -1212,13 +1207,13 @@ class TestS3(BackendConformance):
                 await put(b, "after", b"y")
                 assert await read_all(b, "after") == b"y"
 
-            run(Target("s3://outage", options), body)
+            await run(Target("s3://outage", options), body)
 
-    def test_options_from_strings(self, target: Target):
+    async def test_options_from_strings(self, target: Target):
         options = {**target.options, "s3_anon": "false", "s3_region": "us-east-1", "call_timeout_s": "30"}
-        run(Target(target.url, options), lambda b: _expect(names(b, ""), {}))
+        await run(Target(target.url, options), lambda b: _expect(names(b, ""), {}))
         with pytest.raises(ConfigError, match="s3_anon"):
-            run(Target(target.url, {**target.options, "s3_anon": "maybe"}), lambda b: trio.sleep(0))
+            await run(Target(target.url, {**target.options, "s3_anon": "maybe"}), lambda b: trio.sleep(0))
 
 
 async def _expect(awaitable: Awaitable[Any], want: Any) -> None:
@@ -1298,13 +1293,13 @@ def test_check_key():
             check_key(bad)
 
 
-def test_open_backend_rejects_bad_urls():
+async def test_open_backend_rejects_bad_urls():
     for url in ("relative/path", "nonsense"):
         with pytest.raises(ConfigError):
-            trio.run(open_backend, url, {})
+            await open_backend(url, {})
 
 
-def test_local_etag_changes_for_a_same_size_rewrite_within_one_mtime_tick(tmp_path):
+async def test_local_etag_changes_for_a_same_size_rewrite_within_one_mtime_tick(tmp_path):
     # A coarse clock (or a fast rewrite) gives two versions one mtime; the
     # etag must still tell them apart, or copy_part(if_etag=) takes the new
     # bytes for the old ones.
@@ -1317,11 +1312,11 @@ def test_local_etag_changes_for_a_same_size_rewrite_within_one_mtime_tick(tmp_pa
         assert new is not None and new.size == old.size and new.mtime_ns == old.mtime_ns
         assert new.etag != old.etag
 
-    run(Target(f"file://{tmp_path}"), body)
+    await run(Target(f"file://{tmp_path}"), body)
 
 
 @pytest.mark.parametrize("what", ["upload", "node", "move"])
-def test_local_write_below_a_parent_removed_while_it_is_made(tmp_path, monkeypatch, what):
+async def test_local_write_below_a_parent_removed_while_it_is_made(tmp_path, monkeypatch, what):
     # The persister removes an empty directory left where a node must go
     # (Reconciler._place) while another job may be making that directory as
     # the parent of its own key: makedirs made d/, the other job removed it,
@@ -1349,4 +1344,4 @@ def test_local_write_below_a_parent_removed_while_it_is_made(tmp_path, monkeypat
             assert await read_all(b, "d/sub/x") == b"moved"
         assert raced, "the race was not staged"
 
-    run(Target(f"file://{tmp_path}"), body)
+    await run(Target(f"file://{tmp_path}"), body)

@@ -18,8 +18,8 @@ import time
 import pytest
 from faults import FaultyS3Proxy
 from mounting import aiturbo
-from s3server import S3Server, s3_server  # noqa: F401  (s3_server is a fixture)
-from test_durability import WAIT_S, aiturbo_proc, s3, s3_outage_server, s3m, status  # noqa: F401  (fixtures)
+from s3server import S3Server
+from test_durability import WAIT_S, aiturbo_proc, status
 
 IMPORT_SETTLE_S = 1.6  # import_ttl=0.5 (tests' default) + the kernel's 1 s attribute cache
 
@@ -177,9 +177,8 @@ def test_rm_rmdir_and_mv_reach_the_backend(make_mount, store):
     assert again.stop() == 0, again.log()
 
 
+@pytest.mark.root("mknod of a device node")
 def test_device_node_as_root(make_mount, store):
-    if os.geteuid() != 0:
-        pytest.skip("mknod of a device node needs root")
     m = mount(make_mount, store)
     os.mknod(m.path("null"), stat.S_IFCHR | 0o600, os.makedev(1, 3))
     settle(m)
@@ -195,7 +194,7 @@ def test_device_node_as_root(make_mount, store):
     assert again.stop() == 0, again.log()
 
 
-def test_objects_written_the_s3fs_fuse_way_are_imported(make_mount, s3_server):  # noqa: F811
+def test_objects_written_the_s3fs_fuse_way_are_imported(make_mount, s3_server):
     store = S3(s3_server)
     t = int(time.time()) - 3600
     store.put("other/link", b"../data/file", {"mode": str(stat.S_IFLNK | 0o777), "uid": "0", "gid": "0",
@@ -226,7 +225,7 @@ def test_cp_a_of_the_file_backend_keeps_the_forms(make_mount, tmp_path):
     assert stat.S_ISFIFO(os.lstat(copy / "ckpt" / "pipe").st_mode)
 
 
-def test_s3_node_probe_off_imports_small_objects_as_files(make_mount, s3_server):  # noqa: F811
+def test_s3_node_probe_off_imports_small_objects_as_files(make_mount, s3_server):
     store = S3(s3_server)
     store.put("link", b"target", {"mode": str(stat.S_IFLNK | 0o777)})
     m = make_mount(store.url, name="noprobe", s3_node_probe="no", **store.options)
@@ -235,7 +234,7 @@ def test_s3_node_probe_off_imports_small_objects_as_files(make_mount, s3_server)
     assert m.stop() == 0, m.log()
 
 
-def test_wait_covers_symlinks_and_directories_through_an_outage(s3m):  # noqa: F811
+def test_wait_covers_symlinks_and_directories_through_an_outage(s3m):
     m = s3m.mount()
     os.mkdir(m.path("ckpt"))
     r = aiturbo("wait", "--timeout", "30", m.mountpoint, check=False)
@@ -260,7 +259,7 @@ def test_wait_covers_symlinks_and_directories_through_an_outage(s3m):  # noqa: F
     assert m.stop() == 0, m.log()
 
 
-def test_nodes_staged_at_a_crash_persist_after_the_restart(s3m):  # noqa: F811
+def test_nodes_staged_at_a_crash_persist_after_the_restart(s3m):
     m = s3m.mount()
     s3m.server.stop()
     os.mkdir(m.path("ckpt"))
@@ -277,7 +276,7 @@ def test_nodes_staged_at_a_crash_persist_after_the_restart(s3m):  # noqa: F811
     assert "BUG" not in again.log() and "Traceback" not in again.log(), again.log()
 
 
-def test_a_symlink_whose_head_fails_is_imported_at_the_next_listing(make_mount, s3_server):  # noqa: F811
+def test_a_symlink_whose_head_fails_is_imported_at_the_next_listing(make_mount, s3_server):
     """A 5xx on the HEAD that tells a symlink from a file: the entry waits, it
     does not become a plain file for good."""
     store = S3(s3_server)
@@ -308,11 +307,6 @@ TREE = [
     ("team/", 0o2770, NOBODY),
     ("team/notes", 0o660, NOBODY),
 ]
-
-
-def needs_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("giving files to other users (chown) needs root")
 
 
 def make_tree(top: str) -> None:
@@ -352,11 +346,11 @@ def rsync_changes(src: str, dst: str) -> str:
                           check=True).stdout
 
 
+@pytest.mark.root("giving files to other users (chown)")
 def test_modes_owners_and_mtimes_reach_the_file_backend_and_come_back(make_mount, tmp_path):
     """A -rw------- nobody file stays that in the backend dir (not -rw-r--r-- root, readable
     by every local user); chmod/chown/utime of durable files get there without a new upload;
     a mount on a fresh state dir shows it all again, so rsync -a finds nothing to send."""
-    needs_root()
     store = Local(str(tmp_path / "backend"))
     src = str(tmp_path / "src")
     os.mkdir(src)
@@ -390,10 +384,10 @@ def test_modes_owners_and_mtimes_reach_the_file_backend_and_come_back(make_mount
     assert fresh.stop() == 0, fresh.log()
 
 
+@pytest.mark.root("giving files to other users (chown)")
 def test_rsync_a_through_the_mount_sends_nothing_the_second_time(make_mount, tmp_path):
     """rsync -a writes temp files, renames them and sets directory times last, while
     the persister publishes behind it (each publish moves its backend directory's mtime)."""
-    needs_root()
     store = Local(str(tmp_path / "backend"))
     src = str(tmp_path / "src")
     os.mkdir(src)
@@ -436,10 +430,10 @@ def test_a_chmod_racing_the_upload_ends_with_the_latest_mode(make_mount, tmp_pat
     assert m.stop() == 0, m.log()
 
 
+@pytest.mark.root("giving files to other users (chown)")
 def test_backend_modes_and_owners_show_in_the_mount(make_mount, tmp_path):
     """A backend file 0600 of uid 1000 in a 0700 directory is not -rw-r--r-- root in
     the mount, where (allow_other, on as root; default_permissions) anyone could read it."""
-    needs_root()
     store = Local(str(tmp_path / "backend"))
     os.makedirs(store.path("home/private"))
     with open(store.path("home/private/id_rsa"), "wb") as f:

@@ -7,6 +7,7 @@ import sys
 import sysconfig
 import time
 
+import pytest
 from mounting import REPO, aiturbo, is_mounted
 
 MOUNT = [sys.executable, os.path.join(REPO, "mount.aiturbo")]
@@ -89,6 +90,7 @@ def test_unusable_backend_fails_before_mounting(tmp_path):
             subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
 
 
+@pytest.mark.fuse
 def test_unreachable_backend_mounts_anyway(tmp_path):
     """A refused endpoint is an outage, not a configuration error (issue 12): the mount comes up."""
     mnt = tmp_path / "mnt"
@@ -115,6 +117,7 @@ def _wait_for_daemon_exit(mnt) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.fuse
 def test_daemonizes_after_the_mount_is_ready_and_drains_at_umount(tmp_path):
     backend, mnt = tmp_path / "backend", tmp_path / "mnt"
     backend.mkdir()
@@ -204,6 +207,7 @@ def test_an_option_needing_a_missing_extra_names_the_extra(tmp_path):
     assert r.returncode == 1 and "'cluster' extra" in r.stderr, r.stderr
 
 
+@pytest.mark.fuse
 def test_installed_entry_points_mount_and_persist(tmp_path):
     # The console scripts pip installed (what /sbin/mount.aiturbo links to), not the checkout's wrapper.
     scripts = sysconfig.get_path("scripts")

@@ -45,8 +45,6 @@ from cluster import (
     write_secret,
 )
 from mounting import state, wait_state
-from pgserver import pg_server  # noqa: F401  (a fixture)
-from s3server import s3_server  # noqa: F401  (a fixture)
 
 from aiturbofs._limits import CLUSTER_SOURCE_WAIT_S, PERSIST_FILES_IN_FLIGHT
 
@@ -56,33 +54,6 @@ DURABLE_WAIT_S = 60.0
 GROUP = "user.aiturbo.group"
 GROUP_SIZE = "user.aiturbo.group.size"
 NO_REIMPORT = {"import_ttl": "3600"}  # clusters that see a frozen S3 (module doc)
-
-
-# ============================================================== fixtures
-
-
-@pytest.fixture
-def make_cluster(pg_server, s3_server, tmp_path, request):  # noqa: F811
-    """Factory: make_cluster(**Cluster kwargs) -> started Cluster; all torn down after the test.
-
-    When the test failed, the tails of every daemon's log are printed (they
-    show up under "Captured stdout teardown"); the full logs stay in tmp_path.
-    """
-    clusters: list[Cluster] = []
-    failed_before = request.session.testsfailed
-
-    def factory(**kwargs) -> Cluster:
-        c = Cluster(str(tmp_path / f"c{len(clusters)}"), pg=pg_server, s3=s3_server, **kwargs)
-        clusters.append(c)
-        return c.start()
-
-    yield factory
-    for c in clusters:
-        if request.session.testsfailed > failed_before:
-            print(f"\n----- logs of the cluster in {c.root}\n{c.logs()}")
-        c.close()
-        if c.teardown_notes:
-            print(f"teardown of {c.root}: {c.teardown_notes}")
 
 
 # ============================================================== helpers
@@ -728,7 +699,7 @@ def test_wrong_secret_cannot_join_or_read(make_cluster):
 # ============================================================== (g) corrupt chunk frame
 
 
-def route_peers_through(c: Cluster, pg_server, node: str, address: str) -> None:  # noqa: F811
+def route_peers_through(c: Cluster, pg_server, node: str, address: str) -> None:
     """Make the other nodes reach ``node`` at ``address`` (a relay in front of it).
 
     Peers find a node at the fabric address the shared metadata records for
@@ -741,7 +712,7 @@ def route_peers_through(c: Cluster, pg_server, node: str, address: str) -> None:
     time.sleep(2.5)  # members are re-read from the metadata every second
 
 
-def test_corrupt_chunk_frames_are_rejected_and_refetched(make_cluster, pg_server):  # noqa: F811
+def test_corrupt_chunk_frames_are_rejected_and_refetched(make_cluster, pg_server):
     """A relay that flips one byte in one CHUNK and one PUT_CHUNK frame sits in front of n0."""
     c = make_cluster(node_options=NO_REIMPORT)
     prime_listings(c)

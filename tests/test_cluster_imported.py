@@ -22,9 +22,7 @@ import time
 import pgserver
 import pytest
 from cluster import CHUNK, FRAME_CHUNK, FrameTamperer, MiB
-from pgserver import pg_server  # noqa: F401  (a fixture)
-from s3server import s3_server  # noqa: F401  (a fixture)
-from test_cluster import (  # noqa: F401  (make_cluster is a fixture)
+from test_cluster import (
     GROUP,
     GROUP_SIZE,
     READERS_TIMEOUT_S,
@@ -32,7 +30,6 @@ from test_cluster import (  # noqa: F401  (make_cluster is a fixture)
     assert_clean,
     cold_pools,
     delta,
-    make_cluster,
     read_counters,
     read_sha,
     route_peers_through,
@@ -142,7 +139,7 @@ def test_imported_object_read_by_three_nodes_in_one_round(make_cluster):
     assert_clean(c)
 
 
-def test_corrupt_chunk_along_an_imported_objects_chain_is_refetched(make_cluster, pg_server):  # noqa: F811
+def test_corrupt_chunk_along_an_imported_objects_chain_is_refetched(make_cluster, pg_server):
     """A relay in front of n0 flips one byte of one CHUNK frame n0 sends: the receiver drops it and refetches."""
     c = make_cluster(node_options={**FAST_IMPORT, "autogroup": "off"})
     data = os.urandom(OBJECT_BYTES)

@@ -216,6 +216,7 @@ def _wait_mounted(mnt: str, proc: subprocess.Popen | None, log_path, timeout_s: 
         time.sleep(0.05)
 
 
+@pytest.mark.fuse
 def test_a_mount_from_the_config_file_logs_to_the_journal(tmp_path):
     backend, mnt = tmp_path / "backend", tmp_path / "mnt"
     backend.mkdir()
@@ -256,6 +257,7 @@ def _mount_helper() -> str | None:
     return shutil.which("mount.aiturbo", path="/sbin:/usr/sbin")
 
 
+@pytest.mark.fuse
 @pytest.mark.skipif(shutil.which("mount") is None or _mount_helper() is None,
                     reason="mount(8) or /sbin/mount.aiturbo missing (scripts/setup.sh links the helper)")
 def test_fstab_style_mount_names_the_file_with_o_config(tmp_path):
@@ -307,7 +309,7 @@ def _meta_has_membership() -> bool:
 
 
 @pytest.mark.skipif(not _meta_has_membership(), reason="the SQLite engine has no membership calls yet")
-def test_controller_from_the_config_file_serves_nodes(tmp_path):
+async def test_controller_from_the_config_file_serves_nodes(tmp_path):
     from aiturbofs.fabric import TcpTransport
 
     secret = tmp_path / "secret"
@@ -338,7 +340,7 @@ log_level = "info"
                     answer = await peer.control({"op": "heartbeat", "node": "n1"})
                     assert [n["node"] for n in answer["nodes"]] == ["n1"]
 
-        trio.run(main)
+        await main()
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err

@@ -33,13 +33,7 @@ GB = 1e9
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_TIMEOUT_S = 20
 
-
-def run(fn, *args):
-    async def guarded():
-        with trio.fail_after(TEST_TIMEOUT_S):
-            return await fn(*args)
-
-    return trio.run(guarded)
+pytestmark = pytest.mark.fail_after(TEST_TIMEOUT_S)
 
 
 @dataclass
@@ -136,7 +130,7 @@ def holders_after_staging(bodies, answers) -> dict[bytes, set[str]]:
 # --- RoundKeeper ---------------------------------------------------------------------------------
 
 
-def test_identical_files_upload_each_chunk_once():
+async def test_identical_files_upload_each_chunk_once():
     async def main():
         keeper = RoundKeeper(FakeMeta(), members(3), backend_bw=100 * GB, window_s=5, wait_max_s=10)
         bodies = [body(f"n{i}", range(8), group_size=3) for i in (1, 2, 3)]
@@ -153,10 +147,10 @@ def test_identical_files_upload_each_chunk_once():
         assert sorted(a["holders"]) == ["n1", "n2", "n3"] and a["holders"][0] == "n1"
         assert keeper.stats()["job"]["rounds"] == 1 and keeper.stats()["job"]["unique_bytes"] == 8 * CHUNK_BYTES
 
-    run(main)
+    await main()
 
 
-def test_partly_identical_files_and_holes():
+async def test_partly_identical_files_and_holes():
     async def main():
         keeper = RoundKeeper(FakeMeta(), members(2), backend_bw=100 * GB, window_s=5, wait_max_s=10)
         bodies = [body("n1", ["a", "b", None, "c"], group_size=2), body("n2", ["a", "b", "d", None, "e"], group_size=2)]
@@ -172,10 +166,10 @@ def test_partly_identical_files_and_holes():
                 assert dst != b["node"] and b["file"]["chunks"][idx] != chunk.HOLE.hex()
             assert set(a["persist"].values()) <= set(a["holders"])
 
-    run(main)
+    await main()
 
 
-def test_durable_chunks_are_copied_not_planned():
+async def test_durable_chunks_are_copied_not_planned():
     async def main():
         src = Source("ckpt/step1/a.bin", 3 * CHUNK_BYTES, CHUNK_BYTES, '"etag1"')
         keeper = RoundKeeper(FakeMeta({key("a"): src}), members(2), backend_bw=100 * GB, window_s=5, wait_max_s=10)
@@ -188,10 +182,10 @@ def test_durable_chunks_are_copied_not_planned():
         staged = {bodies[i]["file"]["chunks"][idx] for i, a in enumerate((a1, a2)) for idx, _ in a["stage"]}
         assert key("a").hex() not in staged  # durable: no replicas needed
 
-    run(main)
+    await main()
 
 
-def test_everything_durable_needs_no_plan():
+async def test_everything_durable_needs_no_plan():
     async def main():
         src = Source("old.bin", 0, CHUNK_BYTES, None)
         keeper = RoundKeeper(FakeMeta({key("a"): src}), {}, backend_bw=GB, window_s=0.05, wait_max_s=1)
@@ -202,20 +196,20 @@ def test_everything_durable_needs_no_plan():
         assert a["copy"] == {"0": {"backend_key": "old.bin", "offset": 0, "length": CHUNK_BYTES, "etag": None}}
         assert a["persist"] == {} and a["stage"] == [] and a["makespan_s"] == 0.0
 
-    run(main)
+    await main()
 
 
-def test_group_size_closes_a_round_at_once():
+async def test_group_size_closes_a_round_at_once():
     async def main():
         keeper = RoundKeeper(FakeMeta(), members(2), backend_bw=100 * GB, window_s=5, wait_max_s=10)
         start = trio.current_time()
         answers = await report_all(keeper, [body("n1", ["a"], group_size=2), body("n2", ["b"], group_size=2)])
         assert trio.current_time() - start < 2 and [a["files"] for a in answers] == [2, 2]
 
-    run(main)
+    await main()
 
 
-def test_window_closes_a_round_without_group_size():
+async def test_window_closes_a_round_without_group_size():
     async def main():
         keeper = RoundKeeper(FakeMeta(), members(2), backend_bw=100 * GB, window_s=0.1, wait_max_s=10)
         start = trio.current_time()
@@ -225,10 +219,10 @@ def test_window_closes_a_round_without_group_size():
         (late,) = await report_all(keeper, [body("n1", ["c"])])  # after the close: the next round
         assert late["round"] == "job#2" and late["files"] == 1
 
-    run(main)
+    await main()
 
 
-def test_a_round_short_of_its_size_closes_at_the_wait_max(caplog):
+async def test_a_round_short_of_its_size_closes_at_the_wait_max(caplog):
     async def main():
         keeper = RoundKeeper(FakeMeta(), members(3), backend_bw=100 * GB, window_s=0.05, wait_max_s=0.3)
         start = trio.current_time()
@@ -237,11 +231,11 @@ def test_a_round_short_of_its_size_closes_at_the_wait_max(caplog):
         assert keeper.stats()["job"]["short_rounds"] == 1
 
     with caplog.at_level(logging.WARNING, logger="aiturbofs.controller"):
-        run(main)
+        await main()
     assert "round_short round=job#1 files=2 of=3" in caplog.text
 
 
-def test_replicas_are_satisfied_for_every_chunk():
+async def test_replicas_are_satisfied_for_every_chunk():
     async def main():
         keeper = RoundKeeper(FakeMeta(), members(4), backend_bw=100 * GB, window_s=5, wait_max_s=10)
         # Two DP pairs: n1/n2 write the same file, n3/n4 another; every node also writes its own.
@@ -263,10 +257,10 @@ def test_replicas_are_satisfied_for_every_chunk():
             for idx, node in a["persist"].items():
                 assert node in holders[bytes.fromhex(b["file"]["chunks"][int(idx)])]
 
-    run(main)
+    await main()
 
 
-def test_a_single_writer_spreads_the_upload_over_the_cluster():
+async def test_a_single_writer_spreads_the_upload_over_the_cluster():
     """Rank 0 writes a 16-chunk file: its slow S-NIC alone would take 16x; the plan fans it out."""
     async def main():
         keeper = RoundKeeper(FakeMeta(), members(3, send=25 * GB, snic=1.25 * GB), backend_bw=100 * GB,
@@ -281,10 +275,10 @@ def test_a_single_writer_spreads_the_upload_over_the_cluster():
         assert a["makespan_s"] < 16 * CHUNK_BYTES / (1.25 * GB) * 0.6
         assert a["lp_bound_s"] <= a["makespan_s"] * (1 + 1e-9)
 
-    run(main)
+    await main()
 
 
-def test_dedup_mode_gives_each_unique_chunk_to_its_first_files_node():
+async def test_dedup_mode_gives_each_unique_chunk_to_its_first_files_node():
     """--plan dedup, DP replicas: one uploader per unique chunk, and transfers only to make up the replicas."""
     async def main():
         keeper = RoundKeeper(FakeMeta(), members(4), backend_bw=100 * GB, window_s=5, wait_max_s=10, plan="dedup")
@@ -319,10 +313,10 @@ def test_dedup_mode_gives_each_unique_chunk_to_its_first_files_node():
         g = keeper.stats()["job"]
         assert g["plan"] == "dedup" and g["unique_bytes"] == 14 * CHUNK_BYTES and g["bytes"] == 32 * CHUNK_BYTES
 
-    run(main)
+    await main()
 
 
-def test_dedup_mode_leaves_a_single_writers_upload_to_it():
+async def test_dedup_mode_leaves_a_single_writers_upload_to_it():
     """--plan dedup: rank 0's file is uploaded by rank 0 alone (the LP would spread it, see above)."""
     async def main():
         keeper = RoundKeeper(FakeMeta(), members(3, send=25 * GB, snic=1.25 * GB), backend_bw=100 * GB,
@@ -333,10 +327,10 @@ def test_dedup_mode_leaves_a_single_writers_upload_to_it():
         (a,) = await report_all(keeper, [body("n2", range(4), replicas=5)])  # more replicas than nodes: all 3
         assert sorted(dst for _, dst in a["stage"]) == ["n1"] * 4 + ["n3"] * 4 and a["replicas"] == 3
 
-    run(main)
+    await main()
 
 
-def test_dedup_mode_copies_durable_chunks_and_refuses_unknown_modes():
+async def test_dedup_mode_copies_durable_chunks_and_refuses_unknown_modes():
     async def main():
         src = Source("ckpt/step1/a.bin", 0, CHUNK_BYTES, '"e"')
         keeper = RoundKeeper(FakeMeta({key("a"): src}), members(2), backend_bw=GB, window_s=5, wait_max_s=10,
@@ -348,10 +342,10 @@ def test_dedup_mode_copies_durable_chunks_and_refuses_unknown_modes():
         with pytest.raises(InvalidArgument, match="plan mode 'greedy'"):
             RoundKeeper(None, members(1), backend_bw=GB, plan="greedy")
 
-    run(main)
+    await main()
 
 
-def test_infeasible_round_answers_every_report_with_an_error(caplog):
+async def test_infeasible_round_answers_every_report_with_an_error(caplog):
     async def main():
         keeper = RoundKeeper(FakeMeta(), members(2, dram=0), backend_bw=100 * GB, window_s=5, wait_max_s=10)
         answers = await report_all(keeper, [body("n1", ["a"], group_size=2), body("n2", ["b"], group_size=2)])
@@ -359,11 +353,11 @@ def test_infeasible_round_answers_every_report_with_an_error(caplog):
         assert keeper.stats()["job"]["errors"] == 1
 
     with caplog.at_level(logging.WARNING, logger="aiturbofs.controller"):
-        run(main)
+        await main()
     assert "round_failed round=job#1 files=2" in caplog.text
 
 
-def test_a_dead_nodes_report_leaves_the_open_round():
+async def test_a_dead_nodes_report_leaves_the_open_round():
     async def main():
         live = members(3)
         keeper = RoundKeeper(FakeMeta(), live, backend_bw=100 * GB, window_s=5, wait_max_s=10)
@@ -384,10 +378,10 @@ def test_a_dead_nodes_report_leaves_the_open_round():
         assert answers["n1"]["files"] == 2 and answers["n1"]["persist"] == {"0": answers["n1"]["persist"]["0"]}
         assert answers["n1"]["round"] == answers["n3"]["round"] == "job#2"
 
-    run(main)
+    await main()
 
 
-def test_bad_reports_are_refused():
+async def test_bad_reports_are_refused():
     async def main():
         keeper = RoundKeeper(None, members(1), backend_bw=GB)
         good = body("n1", ["a"])
@@ -399,10 +393,10 @@ def test_bad_reports_are_refused():
             with pytest.raises(Exception, match="report:"):
                 await report(keeper, bad)
 
-    run(main)
+    await main()
 
 
-def test_embedded_controller_plans_rounds_of_one_node():
+async def test_embedded_controller_plans_rounds_of_one_node():
     async def main():
         ctl = EmbeddedController()
         assert ctl.summary() == {}
@@ -420,7 +414,7 @@ def test_embedded_controller_plans_rounds_of_one_node():
         assert a1["replicas"] == 1 and a1["holders"] == ["local"] and a1["stage"] == []
         assert a1["persist"] == {"0": "local", "1": "local"} and a2["wait"] == [0] and a2["persist"] == {"1": "local"}
 
-    run(main)
+    await main()
 
 
 # --- ControllerServer over the fabric ------------------------------------------------------------
@@ -454,7 +448,7 @@ async def cluster(meta=None, **options):
         nursery.cancel_scope.cancel()
 
 
-def test_join_heartbeat_and_dead_detection(caplog):
+async def test_join_heartbeat_and_dead_detection(caplog):
     async def main():
         async with cluster(heartbeat_s=0.05, dead_after_s=0.3) as c:
             n1, n2 = await c.connect("n1"), await c.connect("n2")
@@ -483,11 +477,11 @@ def test_join_heartbeat_and_dead_detection(caplog):
             assert await n1.get_chunk(key("a")) is None and await n1.put_chunk(key("a"), b"chunk a") is False
 
     with caplog.at_level(logging.WARNING, logger="aiturbofs.controller"):
-        run(main)
+        await main()
     assert "node_dead node=n2 reason='no heartbeat for" in caplog.text
 
 
-def test_reports_over_the_fabric():
+async def test_reports_over_the_fabric():
     async def main():
         async with cluster(window_s=5, wait_max_s=10) as c:
             peers = {n: await c.connect(n) for n in ("n1", "n2")}
@@ -507,10 +501,10 @@ def test_reports_over_the_fabric():
             status = await peers["n1"].control({"op": "status"})
             assert status["groups"]["job"]["files"] == 2
 
-    run(main)
+    await main()
 
 
-def test_a_dedup_controller_answers_over_the_fabric():
+async def test_a_dedup_controller_answers_over_the_fabric():
     async def main():
         async with cluster(window_s=5, wait_max_s=10, plan="dedup") as c:
             peers = {n: await c.connect(n) for n in ("n1", "n2")}
@@ -528,10 +522,10 @@ def test_a_dedup_controller_answers_over_the_fabric():
             assert answers["n1"]["persist"] == {str(i): "n1" for i in range(4)} and answers["n2"]["wait"] == [0, 1, 2, 3]
             assert (await peers["n2"].control({"op": "status"}))["groups"]["job"]["plan"] == "dedup"
 
-    run(main)
+    await main()
 
 
-def test_a_node_dying_drops_its_report_from_the_open_round():
+async def test_a_node_dying_drops_its_report_from_the_open_round():
     async def beat(peer, node):
         while True:
             await peer.control({"op": "heartbeat", "node": node})
@@ -563,10 +557,10 @@ def test_a_node_dying_drops_its_report_from_the_open_round():
             assert got["n1"]["files"] == 2 and got["n1"]["round"] == got["n3"]["round"] == "job#2"
             assert c.meta.rows["n2"].state == "dead"
 
-    run(main)
+    await main()
 
 
-def test_restart_loads_members_from_the_metadata():
+async def test_restart_loads_members_from_the_metadata():
     async def main():
         info = {"send_bw": 25 * GB, "recv_bw": 25 * GB, "snic_bw": 12.5 * GB, "dram_free": 1 << 30}
         meta = FakeMeta(rows=[Row("n1", "n1:7387", "alive", 0, info), Row("n2", "n2:7387", "alive", 0, info),
@@ -580,10 +574,10 @@ def test_restart_loads_members_from_the_metadata():
                 await n1.control({"op": "heartbeat", "node": "n1", "dram_free": 1})
             assert meta.rows["n2"].state == "dead" and set(c.server.members) == {"n1"}
 
-    run(main)
+    await main()
 
 
-def test_a_node_cannot_speak_for_another(caplog):
+async def test_a_node_cannot_speak_for_another(caplog):
     async def main():
         async with cluster() as c:
             n1 = await c.connect("n1")
@@ -596,11 +590,11 @@ def test_a_node_cannot_speak_for_another(caplog):
             assert c.meta.rows == {}
 
     with caplog.at_level(logging.WARNING, logger="aiturbofs.controller"):
-        run(main)
+        await main()
     assert "join from n1 at" in caplog.text and "claims to be node 'n2'" in caplog.text
 
 
-def test_a_malformed_request_fails_alone():
+async def test_a_malformed_request_fails_alone():
     async def main():
         async with cluster() as c:
             n1 = await c.connect("n1")
@@ -612,17 +606,17 @@ def test_a_malformed_request_fails_alone():
             assert c.meta.rows == {}
             assert (await n1.control(join_body("n1")))["ok"]  # the connection and the controller go on
 
-    run(main)
+    await main()
 
 
-def test_wrong_secret_is_rejected():
+async def test_wrong_secret_is_rejected():
     async def main():
         async with cluster() as c:
             with pytest.raises(AuthFailed):
                 await c.connect("n1", WRONG)
             assert c.meta.rows == {}
 
-    run(main)
+    await main()
 
 
 # --- the CLI ------------------------------------------------------------------------------------
@@ -668,7 +662,7 @@ def _meta_has_membership() -> bool:
 
 
 @pytest.mark.skipif(not _meta_has_membership(), reason="the SQLite engine has no membership calls yet")
-def test_cli_serves_nodes_and_stops_on_sigterm(tmp_path):
+async def test_cli_serves_nodes_and_stops_on_sigterm(tmp_path):
     secret = tmp_path / "secret"
     secret.write_bytes(SECRET + b"\n")
     secret.chmod(0o600)
@@ -685,7 +679,7 @@ def test_cli_serves_nodes_and_stops_on_sigterm(tmp_path):
                 assert (await peer.control(join_body("n1")))["ok"]
                 assert [n["node"] for n in (await peer.control({"op": "heartbeat", "node": "n1"}))["nodes"]] == ["n1"]
 
-        run(main)
+        await main()
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err
@@ -699,7 +693,7 @@ def test_cli_serves_nodes_and_stops_on_sigterm(tmp_path):
 # ================================================================ read rounds
 
 
-def test_read_round_fetches_each_chunk_once_and_chains_every_reader():
+async def test_read_round_fetches_each_chunk_once_and_chains_every_reader():
     from aiturbofs.controller._reads import ReadRoundKeeper
 
     async def main():
@@ -719,10 +713,10 @@ def test_read_round_fetches_each_chunk_once_and_chains_every_reader():
         heads = collections.Counter(chain[0] for chain in answers[0]["chains"].values())
         assert heads == {"n1": 4, "n2": 4, "n3": 4}
 
-    run(main)
+    await main()
 
 
-def test_read_round_head_is_a_reader_that_has_the_chunk():
+async def test_read_round_head_is_a_reader_that_has_the_chunk():
     from aiturbofs.controller._reads import ReadRoundKeeper
 
     async def main():
@@ -735,10 +729,10 @@ def test_read_round_head_is_a_reader_that_has_the_chunk():
         assert answers[0]["fetch_bytes"] == {}  # nothing from storage
         assert all(chain == ["n2", "n1"] for chain in answers[0]["chains"].values())
 
-    run(main)
+    await main()
 
 
-def test_autogroup_first_reader_reads_at_once_and_heads_what_it_fetched_alone():
+async def test_autogroup_first_reader_reads_at_once_and_heads_what_it_fetched_alone():
     """``join`` tells the first reader of a version within the window that it is first (it reads alone
     at once); the round made of everyone's reports gives it the leading chunks it may have fetched
     meanwhile (its S-NIC rate times the time since its join, plus read-ahead) and spreads the rest.
@@ -778,4 +772,4 @@ def test_autogroup_first_reader_reads_at_once_and_heads_what_it_fetched_alone():
         answers = await report_all(keeper, everyone)
         assert trio.current_time() - start < AUTOGROUP_WINDOW_S / 2 and answers[0]["readers"] == 4
 
-    run(main)
+    await main()

@@ -5,10 +5,11 @@ backend outage, renames and unlinks of in-flight files, a full DRAM pool and
 SIGTERM never lose or misplace a byte; and that errors reach the caller as an
 errno while the mount stays up.
 
-The S3 tests stop and restart their own moto server (``OutageS3Server``): a
-restarted moto is empty, and it is restarted with its buckets already there,
-because a persist retry that lands between "listening" and "bucket re-created"
-would get NoSuchBucket, a permanent error, and mark the file broken.
+The S3 tests stop and restart the module's own moto server (the fixture
+``s3m``, an ``OutageS3Server``): a restarted moto is empty, and it is
+restarted with its buckets already there, because a persist retry that lands
+between "listening" and "bucket re-created" would get NoSuchBucket, a
+permanent error, and mark the file broken.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from types import SimpleNamespace
 import pytest
 import trio
 from mounting import REPO, aiturbo, is_mounted, state, wait_state
-from s3server import CREDENTIALS, HOST, S3Server
 
 from aiturbofs import chunk
 from aiturbofs._errors import BackendError, TransientBackendError
@@ -40,107 +40,6 @@ from aiturbofs.persist import Persister
 MiB = 1 << 20
 CHUNK = 8 * MiB
 WAIT_S = 60.0  # generous bound on "becomes durable" for tens of MiB on this machine
-
-# moto, with buckets created in-process before it listens (see module doc).
-_PRELOADED_MOTO = """
-import sys
-from moto.core import DEFAULT_ACCOUNT_ID
-from moto.s3.models import s3_backends
-for name in sys.argv[3:]:
-    s3_backends[DEFAULT_ACCOUNT_ID]["global"].create_bucket(name, "us-east-1")
-from moto.server import main
-main(["-H", sys.argv[1], "-p", sys.argv[2]])
-"""
-
-
-class OutageS3Server(S3Server):
-    """An ``S3Server`` whose ``start()`` brings back every bucket made so far (empty)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.buckets: list[str] = []
-
-    def start(self) -> OutageS3Server:
-        os.environ.update(CREDENTIALS)
-        if self.running:
-            return self
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", _PRELOADED_MOTO, HOST, str(self.port), *self.buckets],
-            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def freeze(self) -> None:
-        """SIGSTOP: an outage that keeps the data (requests hang, then time out)."""
-        self._signal_group(self._proc, signal.SIGSTOP)
-
-    def thaw(self) -> None:
-        if self._proc is not None:
-            self._signal_group(self._proc, signal.SIGCONT)
-
-    def make_bucket(self, name: str) -> str:
-        self.buckets.append(name)
-        return super().make_bucket(name)
-
-    def objects(self, bucket: str, prefix: str = "") -> dict[str, bytes]:
-        """Every object under ``prefix`` (key relative to it) -> its bytes; the
-        zero-byte ``dir/`` markers of directories (docs/design.md) left out."""
-        c = self.client()
-        out = {}
-        for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            for o in page.get("Contents", ()):
-                if o["Key"].endswith("/"):
-                    continue
-                out[o["Key"][len(prefix):]] = c.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
-        return out
-
-
-@pytest.fixture(scope="module")
-def s3_outage_server():
-    server = OutageS3Server()
-    try:
-        yield server.start()
-    finally:
-        server.close()
-
-
-@pytest.fixture
-def s3(s3_outage_server, make_mount):
-    """The module's S3 server, running again (with its buckets) after the test.
-
-    Depends on ``make_mount`` so that it is torn down first: the mounts'
-    unmount then drains to a running server.
-    """
-    yield s3_outage_server
-    s3_outage_server.thaw()
-    s3_outage_server.start()
-
-
-class S3Mounts:
-    """One fresh bucket per test; mounts of ``s3://bucket/pre``."""
-
-    def __init__(self, server: OutageS3Server, make_mount):
-        self.server = server
-        self.make_mount = make_mount
-        self.bucket = server.make_bucket(f"t-{secrets.token_hex(6)}")
-        self.url = f"s3://{self.bucket}/pre"
-
-    def mount(self, name: str = "m", **options):
-        return self.make_mount(self.url, name=name, s3_endpoint=self.server.endpoint, **options)
-
-    def objects(self) -> dict[str, bytes]:
-        return self.server.objects(self.bucket, "pre/")
-
-
-@pytest.fixture
-def s3m(s3, make_mount) -> S3Mounts:
-    return S3Mounts(s3, make_mount)
-
 
 # --------------------------------------------------------------------------- helpers
 
@@ -632,7 +531,7 @@ def test_size_beyond_what_the_backend_holds_is_efbig(s3m, daemon_data_path):
     assert_no_bug(m.log())
 
 
-def test_parts_failing_together_are_one_transient_error():
+async def test_parts_failing_together_are_one_transient_error():
     """Regression: parts failing in one outage raised an exception group, which
     the retry loop did not catch: the file was left "persisting", never retried."""
     parts = PERSIST_PARTS_IN_FLIGHT
@@ -669,7 +568,7 @@ def test_parts_failing_together_are_one_transient_error():
         with pytest.raises(TransientBackendError, match="connection refused"):
             await Persister(fs).uploads.send(row, "k")
 
-    trio.run(main)
+    await main()
     assert upload.aborted
 
 
@@ -702,7 +601,7 @@ def fake_fs(meta=None):
                            is_open=lambda ino: False)
 
 
-def test_broken_marks_the_version_that_failed_not_a_newer_one():
+async def test_broken_marks_the_version_that_failed_not_a_newer_one():
     """D14: version 2 committed between version 1's failed upload and the
     marking was marked broken (and unpinned) without ever being tried."""
     meta = FakeMeta(7, version=1)
@@ -714,14 +613,14 @@ def test_broken_marks_the_version_that_failed_not_a_newer_one():
         raise BackendError("part 0 of 'f.bin': refused")
 
     p.reconciler.reconcile = reconcile
-    trio.run(p._persist_one, 7)
+    await p._persist_one(7)
     assert ("broken", 2) not in meta.states
     assert meta.row.state != "broken"
     assert 7 in p._pending  # version 2 gets a job of its own
     assert p.stats.files_broken == 0
 
 
-def test_finished_jobs_drop_their_round_hints():
+async def test_finished_jobs_drop_their_round_hints():
     """D12: the round plan's hints were kept for every grouped commit forever."""
     p = Persister(fake_fs(FakeMeta(7, version=1)))
 
@@ -731,11 +630,11 @@ def test_finished_jobs_drop_their_round_hints():
     p.reconciler.reconcile = reconcile
     for ino in range(1, 201):
         p.set_hints(ino, 1, PersistHints())
-        trio.run(p._persist_one, ino)
+        await p._persist_one(ino)
     assert p.uploads.hints == {}
 
 
-def test_a_late_deferral_leaves_the_object_another_file_moved_in(tmp_path):
+async def test_a_late_deferral_leaves_the_object_another_file_moved_in(tmp_path):
     """Two durable files swap names (RENAME_EXCHANGE) and one of them is
     unlinked at once.  Its job had decided to wait for the other; the other,
     no longer held back by an unlinked file, moved its object onto the old
@@ -784,7 +683,7 @@ def test_a_late_deferral_leaves_the_object_another_file_moved_in(tmp_path):
         assert "b" not in (await meta.get_inode(b)).backend_keys  # its object there is gone
         await meta.close()
 
-    trio.run(main)
+    await main()
 
 
 async def _attrs_persister(tmp_path, data: bytes, *, durable: bool):
@@ -813,7 +712,7 @@ async def _attrs_persister(tmp_path, data: bytes, *, durable: bool):
     return Persister(host), meta, row.ino
 
 
-def test_a_chmod_of_a_durable_file_that_cannot_reach_the_backend_leaves_it_durable(tmp_path):
+async def test_a_chmod_of_a_durable_file_that_cannot_reach_the_backend_leaves_it_durable(tmp_path):
     """Only its attributes are missing there: never ``broken`` (reads would get EIO)."""
     async def main():
         p, meta, ino = await _attrs_persister(tmp_path, b"data", durable=True)
@@ -829,10 +728,10 @@ def test_a_chmod_of_a_durable_file_that_cannot_reach_the_backend_leaves_it_durab
         assert p.attrs_pending(row)  # asked again at the next change or state query
         await meta.close()
 
-    trio.run(main)
+    await main()
 
 
-def test_a_chmod_landing_after_the_upload_read_the_attributes_is_pushed_after_it(tmp_path):
+async def test_a_chmod_landing_after_the_upload_read_the_attributes_is_pushed_after_it(tmp_path):
     """The upload publishes with the mode read just before its rename; a chmod after
     that (before the file is marked durable) is given to the object by the same job."""
     data = b"x" * 1000
@@ -863,10 +762,10 @@ def test_a_chmod_landing_after_the_upload_read_the_attributes_is_pushed_after_it
         assert (p.stats.files_durable, p.stats.attrs_persisted) == (1, 1)
         await meta.close()
 
-    trio.run(main)
+    await main()
 
 
-def test_a_file_queued_while_files_in_flight_wait_gets_a_spare_upload():
+async def test_a_file_queued_while_files_in_flight_wait_gets_a_spare_upload():
     """Every upload in flight waited for a shared chunk that a file not yet
     queued was to upload: when that file was queued, no spare upload started
     (spares were only considered when a file began to wait), so it sat in the
@@ -891,11 +790,11 @@ def test_a_file_queued_while_files_in_flight_wait_gets_a_spare_upload():
             p._files_wait(-1)
             nursery.cancel_scope.cancel()
 
-    trio.run(main)
+    await main()
     assert ran == [9]
 
 
-def test_a_read_finds_an_object_moved_to_a_name_it_no_longer_has(tmp_path):
+async def test_a_read_finds_an_object_moved_to_a_name_it_no_longer_has(tmp_path):
     """A file is renamed (a -> b), then its directory renamed and a link made
     (b -> c, d) while the persister still moves its object from a to b.  A
     reader whose chunk is not in DRAM tried the recorded key (a, just moved
@@ -938,7 +837,7 @@ def test_a_read_finds_an_object_moved_to_a_name_it_no_longer_has(tmp_path):
             data = await ChunkFetcher(fs).chunk(5, 0, chunk.content_key(body), len(body), SimpleNamespace(**vars(row)))
         assert data == body
 
-    trio.run(main)
+    await main()
 
 
 def test_directory_cleanups_are_bounded_and_deduplicated(caplog):

@@ -83,13 +83,7 @@ SECRET = b"correct horse battery staple 42!"
 WRONG = b"incorrect horse battery staple 0"
 TEST_TIMEOUT_S = 15
 
-
-def run(fn, *args):
-    async def guarded():
-        with trio.fail_after(TEST_TIMEOUT_S):
-            return await fn(*args)
-
-    return trio.run(guarded)
+pytestmark = pytest.mark.fail_after(TEST_TIMEOUT_S)
 
 
 def keyed(data: bytes) -> tuple[bytes, bytes]:
@@ -180,7 +174,7 @@ class TransportConformance:
             nursery.cancel_scope.cancel()
 
     # --- chunks -------------------------------------------------------------------------
-    def test_round_trips(self, make_transport):
+    async def test_round_trips(self, make_transport):
         async def main():
             store = Store()
             async with self.serving(make_transport, store) as (server, address, _):
@@ -205,9 +199,9 @@ class TransportConformance:
                     assert served.bytes_received == c.bytes_sent and served.bytes_sent == c.bytes_received
                     await peer.aclose()
 
-        run(main)
+        await main()
 
-    def test_not_found_and_refused(self, make_transport):
+    async def test_not_found_and_refused(self, make_transport):
         async def main():
             store = Store()
             async with self.serving(make_transport, store) as (_, address, _), make_transport("client", SECRET) as client:
@@ -217,9 +211,9 @@ class TransportConformance:
                 assert await peer.put_chunk(key, data) is False  # the handler said no
                 assert await peer.ping() >= 0
 
-        run(main)
+        await main()
 
-    def test_named_chunks_carry_their_digest(self, make_transport):
+    async def test_named_chunks_carry_their_digest(self, make_transport):
         """A chunk asked for by a name comes back with the digest of its bytes, verified on arrival."""
         async def main():
             store = Store()
@@ -240,9 +234,9 @@ class TransportConformance:
                 assert peer.counters.corrupt_frames == 2 and peer.counters.chunks_received == 2
                 assert peer.state == "open"
 
-        run(main)
+        await main()
 
-    def test_a_failing_handler_fails_one_request_not_the_connection(self, make_transport):
+    async def test_a_failing_handler_fails_one_request_not_the_connection(self, make_transport):
         # A foreign exception in a request handler once reached the daemon's
         # root nursery and unmounted it, staged data and all.
         async def main():
@@ -255,9 +249,9 @@ class TransportConformance:
                 assert (await peer.control({"op": "again"}))["echo"] == {"op": "again"}
                 assert await peer.ping() >= 0
 
-        run(main)
+        await main()
 
-    def test_a_slow_long_call_fails_alone_and_keeps_the_connection(self, make_transport):
+    async def test_a_slow_long_call_fails_alone_and_keeps_the_connection(self, make_transport):
         # D13: one slow upload_part (a slow backend on the peer) timed out and
         # broke the connection every other call of the two nodes shared.
         async def main():
@@ -282,9 +276,9 @@ class TransportConformance:
                     await peer.control({"op": "slow", "s": 5}, timeout=0.3)
                 assert peer.state == "broken"
 
-        run(main)
+        await main()
 
-    def test_control(self, make_transport):
+    async def test_control(self, make_transport):
         async def main():
             async with self.serving(make_transport, Store()) as (_, address, _), make_transport("client", SECRET) as client:
                 peer = await client.connect(address)
@@ -299,9 +293,9 @@ class TransportConformance:
                 assert peer.state == "open"
                 assert (await peer.control({"op": "again"}))["echo"] == {"op": "again"}
 
-        run(main)
+        await main()
 
-    def test_concurrent_requests_are_multiplexed_and_bounded(self, make_transport):
+    async def test_concurrent_requests_are_multiplexed_and_bounded(self, make_transport):
         async def main():
             # Once with the client honouring the bound, once with a client that
             # allows more than the server: the server's own bound must hold.
@@ -326,10 +320,10 @@ class TransportConformance:
                         assert store.active_max == 4, store.active_max  # concurrent, and never more
                         assert elapsed < 50 * 0.02 * 0.75  # really multiplexed: one by one takes 1 s
 
-        run(main)
+        await main()
 
     # --- authentication -----------------------------------------------------------------
-    def test_client_with_wrong_secret_is_rejected(self, make_transport, caplog):
+    async def test_client_with_wrong_secret_is_rejected(self, make_transport, caplog):
         async def main():
             store = Store()
             async with self.serving(make_transport, store) as (_, address, _), make_transport("intruder", WRONG) as client:
@@ -338,11 +332,11 @@ class TransportConformance:
             assert store.calls == 0
 
         with caplog.at_level(logging.WARNING, logger="aiturbofs.fabric"):
-            run(main)
+            await main()
         rejected = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
         assert rejected and "intruder" in rejected[0] and "secret" in rejected[0], caplog.text
 
-    def test_server_with_wrong_secret_is_rejected(self, make_transport):
+    async def test_server_with_wrong_secret_is_rejected(self, make_transport):
         async def main():
             rogue = Store()
             async with self.serving(make_transport, rogue, secret=WRONG) as (_, address, _), make_transport("client", SECRET) as client:
@@ -350,9 +344,9 @@ class TransportConformance:
                     await client.connect(address)
             assert rogue.calls == 0
 
-        run(main)
+        await main()
 
-    def test_client_checks_the_server_proof(self, make_transport):
+    async def test_client_checks_the_server_proof(self, make_transport):
         """A server that skips checking us and fakes its own proof gets nothing from us."""
         seen = []
 
@@ -373,9 +367,9 @@ class TransportConformance:
                 nursery.cancel_scope.cancel()
             assert seen == [FrameType.HELLO]  # the client hung up: no request ever left it
 
-        run(main)
+        await main()
 
-    def test_unauthenticated_frames_are_never_served(self, make_transport):
+    async def test_unauthenticated_frames_are_never_served(self, make_transport):
         async def main():
             store = Store()
             key, data = keyed(b"injected")
@@ -397,10 +391,10 @@ class TransportConformance:
                 assert b"authentication failed" in frames[-1].body
             assert store.calls == 0
 
-        run(main)
+        await main()
 
     # --- integrity ----------------------------------------------------------------------
-    def test_corrupt_payload_is_detected_both_ways(self, make_transport, monkeypatch):
+    async def test_corrupt_payload_is_detected_both_ways(self, make_transport, monkeypatch):
         # RDMA payloads bypass the proxy: corrupt those where they land instead.
         monkeypatch.setattr(_slots, "_landed", flipped)
 
@@ -425,10 +419,10 @@ class TransportConformance:
                     await peer.ping()
                     nursery.cancel_scope.cancel()
 
-        run(main)
+        await main()
 
     # --- failures -----------------------------------------------------------------------
-    def test_peer_dying_mid_call_breaks_pending_and_later_calls(self, make_transport):
+    async def test_peer_dying_mid_call_breaks_pending_and_later_calls(self, make_transport):
         async def main():
             store = Store(hang=True)
             key = chunk.digest(b"x")
@@ -453,9 +447,9 @@ class TransportConformance:
                 with pytest.raises(PeerBroken):
                     await peer.put_chunk(*keyed(b"y"))
 
-        run(main)
+        await main()
 
-    def test_calls_after_aclose_raise_peer_closed(self, make_transport):
+    async def test_calls_after_aclose_raise_peer_closed(self, make_transport):
         async def main():
             store = Store(hang=True)
             async with self.serving(make_transport, store) as (_, address, _), make_transport("client", SECRET) as client:
@@ -476,9 +470,9 @@ class TransportConformance:
                     await peer.control({})
                 await peer.aclose()  # idempotent
 
-        run(main)
+        await main()
 
-    def test_per_call_timeout(self, make_transport):
+    async def test_per_call_timeout(self, make_transport):
         async def main():
             store = Store(hang=True)
             async with self.serving(make_transport, store) as (_, address, _), make_transport("client", SECRET) as client:
@@ -493,9 +487,9 @@ class TransportConformance:
                     while store.active:
                         await trio.sleep(0.01)
 
-        run(main)
+        await main()
 
-    def test_connect_to_nobody(self, make_transport):
+    async def test_connect_to_nobody(self, make_transport):
         async def main():
             async with make_transport("server", SECRET) as server, trio.open_nursery() as nursery:
                 address = await nursery.start(server.serve, Store())
@@ -504,10 +498,10 @@ class TransportConformance:
                 with pytest.raises(PeerBroken):
                     await client.connect(address)
 
-        run(main)
+        await main()
 
     # --- malformed frames ---------------------------------------------------------------
-    def test_oversized_length_prefix_is_rejected(self, make_transport):
+    async def test_oversized_length_prefix_is_rejected(self, make_transport):
         async def main():
             store = Store()
             async with self.serving(make_transport, store) as (server, address, _), make_transport("client", SECRET) as client:
@@ -520,9 +514,9 @@ class TransportConformance:
                 await peer.ping()
             assert store.calls == 0
 
-        run(main)
+        await main()
 
-    def test_version_mismatch_is_reported(self, make_transport, caplog):
+    async def test_version_mismatch_is_reported(self, make_transport, caplog):
         async def speaks_v2(stream, _address):
             await FrameReader(stream).receive()  # HELLO
             await stream.send_all(header(FrameType.CHALLENGE, 40, version=VERSION + 1) + bytes(40))
@@ -542,7 +536,7 @@ class TransportConformance:
                 nursery.cancel_scope.cancel()
 
         with caplog.at_level(logging.WARNING, logger="aiturbofs.fabric"):
-            run(main)
+            await main()
         assert "version mismatch" in caplog.text
 
 
@@ -650,7 +644,7 @@ async def _reader_of(raw: bytes) -> FrameReader:
     return FrameReader(receive)
 
 
-def test_oversized_length_prefix_allocates_nothing():
+async def test_oversized_length_prefix_allocates_nothing():
     async def main():
         for ftype in (FrameType.CHUNK, FrameType.CONTROL, FrameType.ERROR, FrameType.PING):
             reader = await _reader_of(header(ftype, 0xFFFFFFFF) + b"\0" * 64)
@@ -666,7 +660,7 @@ def test_oversized_length_prefix_allocates_nothing():
         with pytest.raises(PeerBroken):
             await reader.receive()
 
-    run(main)
+    await main()
 
 
 @pytest.mark.parametrize(
@@ -681,12 +675,12 @@ def test_oversized_length_prefix_allocates_nothing():
         (header(FrameType.PING, 0)[:10], "in the middle of a frame"),
     ],
 )
-def test_malformed_frames(raw, message):
+async def test_malformed_frames(raw, message):
     async def main():
         with pytest.raises(PeerBroken, match=message):
             await (await _reader_of(raw)).receive()
 
-    run(main)
+    await main()
 
 
 def _into(stream):
@@ -701,7 +695,7 @@ def _into(stream):
 
 
 @pytest.mark.parametrize("zero_copy", [False, True])
-def test_frames_round_trip_and_clean_eof(zero_copy):
+async def test_frames_round_trip_and_clean_eof(zero_copy):
     async def main():
         key, data = keyed(os.urandom(CHUNK_BYTES))  # header and body are sent apart, and read apart
         send, receive = trio.testing.memory_stream_pair()
@@ -716,11 +710,11 @@ def test_frames_round_trip_and_clean_eof(zero_copy):
         assert (await reader.receive()).body == data[:1000]
         assert await reader.receive() is None
 
-    run(main)
+    await main()
 
 
 @pytest.mark.parametrize("zero_copy", [False, True])
-def test_stream_ending_inside_a_big_frame(zero_copy):
+async def test_stream_ending_inside_a_big_frame(zero_copy):
     async def main():
         send, receive = trio.testing.memory_stream_pair()
         await send.send_all(header(FrameType.CHUNK, 32 + CHUNK_BYTES) + bytes(32 + 1000))
@@ -729,7 +723,7 @@ def test_stream_ending_inside_a_big_frame(zero_copy):
         with pytest.raises(PeerBroken, match=f"1000 of {CHUNK_BYTES} bytes"):
             await reader.receive()
 
-    run(main)
+    await main()
 
 
 # --- the secret file ------------------------------------------------------------------------
@@ -769,7 +763,7 @@ def test_transport_refuses_a_short_secret():
 # --- RDMA: set-up, per-peer fallback, slots, work-request failures ----------------------------
 
 
-def test_slot_pool_bookkeeping():
+async def test_slot_pool_bookkeeping():
     async def main():
         memory = memoryview(bytearray(3 * 16))
         pool = SlotPool(memory, 3, 16)
@@ -807,7 +801,7 @@ def test_slot_pool_bookkeeping():
             pool.release(slot)
         assert pool.free == 3
 
-    run(main)
+    await main()
 
 
 QP = QpAddress(qpn=0x1234, psn=0xABCDE, lid=0, gid=bytes.fromhex("fe80000000000000" "0011223344556677"), mtu=5, rd_atomic=16)
@@ -889,7 +883,7 @@ async def settled(server, client, *, qps_left=0):
     assert client._lent_slots.free == client._lent_slots.count
 
 
-def test_rdma_is_set_up_on_first_chunk_call_only():
+async def test_rdma_is_set_up_on_first_chunk_call_only():
     async def main():
         async with rdma_pair(Store()) as (server, client, peer):
             assert await peer.control({"op": "hello"})
@@ -903,10 +897,10 @@ def test_rdma_is_set_up_on_first_chunk_call_only():
             assert await peer.put_chunk(*small)
             assert await peer.get_chunk(small[0]) == b"tiny" and peer.counters.rdma_bytes == len(data)
 
-    run(main)
+    await main()
 
 
-def test_rdma_client_falls_back_to_tcp_with_a_tcp_server(caplog):
+async def test_rdma_client_falls_back_to_tcp_with_a_tcp_server(caplog):
     async def main():
         store = Store()
         async with TcpTransport("server", SECRET, host="127.0.0.1", port=0) as server, trio.open_nursery() as nursery:
@@ -921,11 +915,11 @@ def test_rdma_client_falls_back_to_tcp_with_a_tcp_server(caplog):
             nursery.cancel_scope.cancel()
 
     with caplog.at_level(logging.INFO, logger="aiturbofs.fabric"):
-        run(main)
+        await main()
     assert "chunks with 'server'" in caplog.text and "go over TCP" in caplog.text and "has no RDMA" in caplog.text
 
 
-def test_failed_path_check_falls_back_to_tcp(caplog):
+async def test_failed_path_check_falls_back_to_tcp(caplog):
     """Queue pairs that connect but cannot reach each other (another fabric, a firewall): TCP, logged."""
 
     async def main():
@@ -940,11 +934,11 @@ def test_failed_path_check_falls_back_to_tcp(caplog):
             assert client._qps == 0
 
     with caplog.at_level(logging.INFO, logger="aiturbofs.fabric"):
-        run(main)
+        await main()
     assert "RDMA path check" in caplog.text and "RETRY_EXC_ERR" in caplog.text
 
 
-def test_many_transfers_share_few_slots():
+async def test_many_transfers_share_few_slots():
     async def main():
         store = Store()
         chunks = [keyed(os.urandom(FABRIC_RDMA_PAYLOAD_BYTES_MIN + 1000 * i)) for i in range(12)]
@@ -966,10 +960,10 @@ def test_many_transfers_share_few_slots():
             assert peer.counters.rdma_bytes == 2 * sum(len(d) for _, d in chunks)
             await settled(server, client, qps_left=1)
 
-    run(main)
+    await main()
 
 
-def test_cancelled_get_keeps_its_slot_lent_until_the_reply():
+async def test_cancelled_get_keeps_its_slot_lent_until_the_reply():
     """The server may still write into the slot of an abandoned call: it is not reused before the reply."""
 
     async def main():
@@ -995,10 +989,10 @@ def test_cancelled_get_keeps_its_slot_lent_until_the_reply():
                     await trio.sleep(0.01)  # the late reply freed it
             assert await peer.get_chunk(big[0]) == big[1]
 
-    run(main)
+    await main()
 
 
-def test_stuck_work_request_breaks_the_connection_and_frees_its_slot():
+async def test_stuck_work_request_breaks_the_connection_and_frees_its_slot():
     async def main():
         device = LoopbackDevice()
         store = Store()
@@ -1013,10 +1007,10 @@ def test_stuck_work_request_breaks_the_connection_and_frees_its_slot():
                 await peer.ping()
             await settled(server, client)  # the parked slot came back once the queue pair was gone
 
-    run(main)
+    await main()
 
 
-def test_queue_pair_error_breaks_the_connection():
+async def test_queue_pair_error_breaks_the_connection():
     async def main():
         store = Store()
         big = keyed(os.urandom(CHUNK_BYTES))
@@ -1029,10 +1023,10 @@ def test_queue_pair_error_breaks_the_connection():
             assert peer.state == "broken"
             await settled(server, client)
 
-    run(main)
+    await main()
 
 
-def test_bad_slot_reference_drops_the_connection(monkeypatch):
+async def test_bad_slot_reference_drops_the_connection(monkeypatch):
     async def main():
         store = Store()
         big = keyed(os.urandom(CHUNK_BYTES))
@@ -1044,10 +1038,10 @@ def test_bad_slot_reference_drops_the_connection(monkeypatch):
                 await peer.get_chunk(big[0])
             await settled(server, client)
 
-    run(main)
+    await main()
 
 
-def test_rdma_frames_without_rdma_drop_the_connection():
+async def test_rdma_frames_without_rdma_drop_the_connection():
     async def main():
         async with rdma_pair(Store()) as (server, client, peer):
             with pytest.raises(PeerBroken, match="GET_CHUNK_RDMA before RDMA_CONNECT"):
@@ -1063,10 +1057,10 @@ def test_rdma_frames_without_rdma_drop_the_connection():
                     await peer._call(FrameType.PUT_CHUNK_RDMA, chunk.digest(b"x"), encode_slot_length(0, 1), 5, {FrameType.ACK})
             nursery.cancel_scope.cancel()
 
-    run(main)
+    await main()
 
 
-def test_served_memory_is_not_reachable_by_peers():
+async def test_served_memory_is_not_reachable_by_peers():
     """A client's queue pair can reach nothing of the server's: only servers move bytes, into lent memory."""
 
     async def main():
@@ -1078,7 +1072,7 @@ def test_served_memory_is_not_reachable_by_peers():
                 assert completion.wr_id == 99 and "REM_ACCESS_ERR" in completion.error
                 peer._qp.state = "rts"
 
-    run(main)
+    await main()
 
 
 def _pyverbs_or_skip():
@@ -1174,7 +1168,7 @@ def test_auto_with_an_unusable_device_is_tcp(monkeypatch, caplog):
         open_transport("rdma", "n1", SECRET, device="mlx5_7")
 
 
-def test_rdma_transport_runs_on_a_given_device(caplog):
+async def test_rdma_transport_runs_on_a_given_device(caplog):
     async def main():
         transport = RdmaTransport("n1", SECRET, host="127.0.0.1", port=0, device=LoopbackDevice("rxe9"))
         assert transport.kind == "rdma" and transport.device_name.startswith("rxe9")
@@ -1182,4 +1176,4 @@ def test_rdma_transport_runs_on_a_given_device(caplog):
             pass
         assert transport._device.closed
 
-    run(main)
+    await main()

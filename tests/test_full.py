@@ -17,7 +17,6 @@ import time
 
 import pytest
 from mounting import aiturbo, wait_state
-from test_durability import s3, s3_outage_server, s3m  # noqa: F401  (fixtures)
 
 MiB = 1 << 20
 WAIT_S = 60.0
@@ -143,7 +142,7 @@ def test_a_lazy_unmount_ends_the_daemon_while_a_writer_waits(tmpfs, make_mount):
         w.wait()
 
 
-def test_writers_waiting_for_memory_leave_room_for_other_requests(tmpfs, s3m):  # noqa: F811
+def test_writers_waiting_for_memory_leave_room_for_other_requests(tmpfs, s3m):
     """D9: pyfuse3 handled 99 requests at once; 99 writers waiting for memory
     (S3 not answering, the spill dir full) stalled every other request of
     every process: a stat, a listing, the close that would free memory."""

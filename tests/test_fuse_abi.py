@@ -123,7 +123,8 @@ def _kernel_at_least(major: int, minor: int) -> bool:
     return (int(release[0]), int(release[1])) >= (major, minor)
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse")
+@pytest.mark.fuse
+@pytest.mark.root("mount(2) of /dev/fuse")
 def test_the_kernel_takes_our_init_reply_and_a_backing_file():
     """The 7.40 fields the header above cannot check: the kernel enables passthrough only if INIT's
     reply carries it with max_stack_depth in its place, and then takes a backing_map."""

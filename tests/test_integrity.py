@@ -21,7 +21,7 @@ import time
 
 import pytest
 from mounting import aiturbo, state
-from s3server import S3Server, s3_server  # noqa: F401  (s3_server is a fixture)
+from s3server import S3Server
 
 MiB = 1 << 20
 

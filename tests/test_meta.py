@@ -8,14 +8,14 @@ restart tests, more stores on the same database.
 
 import dataclasses
 import errno
-import functools
 import os
 import sqlite3
 import stat
 
 import pytest
 import trio
-from pgserver import PgServer, free_port, pg_server  # noqa: F401  (pg_server is a fixture)
+from loopback import free_port
+from pgserver import PgServer
 
 from aiturbofs import _errors as err
 from aiturbofs._limits import (
@@ -47,16 +47,6 @@ from aiturbofs.meta import (
 UID, GID = 1000, 1001
 T0 = 1_700_000_000_000_000_000  # a fixed timestamp for rows the tests make
 HASH_A, HASH_B, HASH_C = b"\xaa" * 32, b"\xbb" * 32, b"\xcc" * 32
-
-
-def trio_test(fn):
-    """Run an async test body with trio.run (pytest-trio is not installed)."""
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        return trio.run(functools.partial(fn, *args, **kwargs))
-
-    return run
 
 
 def file_row(mode=0o644, **fields) -> InodeRow:
@@ -129,14 +119,13 @@ class MetaConformance:
     placeholders, autocommitted, on the same database, past the store)."""
 
     @pytest.fixture
-    def store(self, meta_url):
-        store = trio.run(open_store, meta_url)
+    async def store(self, meta_url):
+        store = await open_store(meta_url)
         yield store
-        trio.run(store.close)
+        await store.close()
 
     # --- group commit --------------------------------------------------------------
 
-    @trio_test
     async def test_concurrent_writes_each_get_their_own_result(self, store):
         """Writes that arrive together (one group commit on SQLite): the ones
         that fail get their own error and change nothing; the others commit."""
@@ -162,7 +151,6 @@ class MetaConformance:
             assert (await store.lookup(ROOT_INO, name)).ino == ino
         assert len(await store.readdir(ROOT_INO, 0, 100)) == 41
 
-    @trio_test
     async def test_sync_after_unsynced_commits(self, store):
         f = await store.create(ROOT_INO, b"f", file_row(state=STATE_STAGED))
         row = await store.commit_manifest(f.ino, size=3, manifest=HASH_A, state=STATE_STAGED, sync=False)
@@ -171,7 +159,6 @@ class MetaConformance:
 
     # --- init ----------------------------------------------------------------------
 
-    @trio_test
     async def test_init_creates_root(self, store):
         root = await store.get_inode(ROOT_INO)
         assert stat.S_ISDIR(root.mode) and stat.S_IMODE(root.mode) == 0o755
@@ -179,7 +166,6 @@ class MetaConformance:
         assert await store.readdir(ROOT_INO, 0, 100) == []
         assert await store.stats() == (1, 0)
 
-    @trio_test
     async def test_init_again_keeps_data(self, store, meta_url):
         await store.set_attrs(ROOT_INO, mode=stat.S_IFDIR | 0o700)
         await store.create(ROOT_INO, b"f", file_row())
@@ -192,12 +178,11 @@ class MetaConformance:
         finally:
             await again.close()
 
-    def test_refuses_newer_schema(self, store, meta_url, raw_sql):
+    async def test_refuses_newer_schema(self, store, meta_url, raw_sql):
         raw_sql("UPDATE meta_schema SET version = version + 1")
         with pytest.raises(err.ConfigError):
-            trio.run(open_store, meta_url)
+            await open_store(meta_url)
 
-    @trio_test
     async def test_migrates_v1_database(self, meta_url, raw_sql):
         engine = open_meta(meta_url)  # not opened: only its column types
         for ddl in v1_schema(engine.BLOB, engine.INT, engine.IDENTITY):
@@ -232,7 +217,6 @@ class MetaConformance:
         finally:
             await again.close()
 
-    @trio_test
     async def test_name_changes_are_noted_until_the_persister_lets_them_go(self, store):
         """rename, link, an unlink that leaves a name and a directory rename note a pending move in the
         same transaction; ``moves_done`` forgets it only at the generation it was read at."""
@@ -260,7 +244,6 @@ class MetaConformance:
 
     # --- create / lookup / get_inode --------------------------------------------------
 
-    @trio_test
     async def test_create_file_dir_symlink(self, store):
         f = await store.create(ROOT_INO, b"f.bin", file_row(0o600, ino=99, nlink=7))
         d = await store.create(ROOT_INO, b"d", dir_row())
@@ -274,7 +257,6 @@ class MetaConformance:
             assert await store.lookup(ROOT_INO, name) == row
             assert await store.get_inode(row.ino) == row
 
-    @trio_test
     async def test_create_keeps_imported_fields(self, store):
         row = file_row(
             size=5,
@@ -287,7 +269,6 @@ class MetaConformance:
         assert f.manifest is None and f.size == 5 and f.state == STATE_DURABLE
         assert (f.backend_keys, f.backend_etag, f.persisted_version) == (["bucket/f"], "e1", 0)
 
-    @trio_test
     async def test_persisted_attrs_round_trip(self, store):
         f = await store.create(ROOT_INO, b"f", file_row(0o600))
         assert f.persisted_attrs is None  # nothing persisted yet
@@ -300,7 +281,6 @@ class MetaConformance:
         with pytest.raises(ValueError):
             await store.set_attrs(f.ino, persisted_attrs=(1, 2, 3))
 
-    @trio_test
     async def test_create_updates_parent(self, store):
         before = await store.get_inode(ROOT_INO)
         d = await store.create(ROOT_INO, b"d", dir_row())
@@ -311,7 +291,6 @@ class MetaConformance:
         assert (await store.get_inode(d.ino)).nlink == 2
         assert (await store.get_inode(d.ino)).mtime_ns > T0
 
-    @trio_test
     async def test_an_imported_entry_leaves_its_directorys_times(self, store):
         """The backend's directory already had it: listing it must not make the directory new."""
         d = await store.create(ROOT_INO, b"d", dir_row())
@@ -321,7 +300,6 @@ class MetaConformance:
         row = await store.get_inode(d.ino)
         assert (row.mtime_ns, row.ctime_ns, row.nlink) == (T0, T0, 3)
 
-    @trio_test
     async def test_create_errors(self, store):
         f = await store.create(ROOT_INO, b"f", file_row())
         with pytest.raises(err.Exists):
@@ -339,7 +317,6 @@ class MetaConformance:
             await store.create(ROOT_INO, b"s", symlink_row(b"t" * (SYMLINK_TARGET_BYTES_MAX + 1)))
         assert await names(store, ROOT_INO) == [b"f"]  # failed creates left nothing
 
-    @trio_test
     async def test_names_are_arbitrary_bytes(self, store):
         name = b"\xff\xfe caf\xc3\xa9 \n*?"
         longest = b"n" * NAME_BYTES_MAX
@@ -348,7 +325,6 @@ class MetaConformance:
         assert (await store.lookup(ROOT_INO, name)).ino == f.ino
         assert sorted(await names(store, ROOT_INO)) == sorted([name, longest])
 
-    @trio_test
     async def test_lookup_and_get_missing(self, store):
         with pytest.raises(err.NotFound):
             await store.lookup(ROOT_INO, b"nope")
@@ -357,7 +333,6 @@ class MetaConformance:
 
     # --- readdir -------------------------------------------------------------------------
 
-    @trio_test
     async def test_readdir_order_tokens_errors(self, store):
         f = await store.create(ROOT_INO, b"zz", file_row())
         await store.create(ROOT_INO, b"aa", dir_row())
@@ -374,7 +349,6 @@ class MetaConformance:
         with pytest.raises(err.NotFound):
             await store.readdir(4242, 0, 10)
 
-    @trio_test
     async def test_readdir_paging_stable_while_changing(self, store):
         for i in range(40):
             await store.create(ROOT_INO, b"old%02d" % i, file_row())
@@ -399,7 +373,6 @@ class MetaConformance:
         assert not removed_unread & set(seen)
         assert b"renamed" not in seen  # it kept old03's place, already read
 
-    @trio_test
     async def test_readdir_keeps_position_of_renamed_entry(self, store):
         for name in [b"a", b"b", b"c"]:
             await store.create(ROOT_INO, name, file_row())
@@ -408,7 +381,6 @@ class MetaConformance:
 
     # --- link / unlink / rmdir ------------------------------------------------------------
 
-    @trio_test
     async def test_link(self, store):
         d = await store.create(ROOT_INO, b"d", dir_row())
         f = await store.create(ROOT_INO, b"f", file_row())
@@ -427,14 +399,12 @@ class MetaConformance:
         with pytest.raises(err.InvalidArgument):
             await store.link(f.ino, d.ino, b"a/b")
 
-    @trio_test
     async def test_link_of_unlinked_inode_fails(self, store):
         f = await store.create(ROOT_INO, b"f", file_row())
         await store.unlink(ROOT_INO, b"f")
         with pytest.raises(err.NotFound):
             await store.link(f.ino, ROOT_INO, b"again")
 
-    @trio_test
     async def test_unlink_keeps_row_until_delete(self, store):
         f = await store.create(ROOT_INO, b"f", file_row())
         await store.link(f.ino, ROOT_INO, b"g")
@@ -451,7 +421,6 @@ class MetaConformance:
         with pytest.raises(err.NotFound):
             await store.get_inode(f.ino)
 
-    @trio_test
     async def test_unlink_errors(self, store):
         f = await store.create(ROOT_INO, b"f", file_row())
         await store.create(ROOT_INO, b"d", dir_row())
@@ -462,7 +431,6 @@ class MetaConformance:
         with pytest.raises(err.NotADirectory):
             await store.unlink(f.ino, b"x")
 
-    @trio_test
     async def test_rmdir(self, store):
         d = await store.create(ROOT_INO, b"d", dir_row())
         sub = await store.create(d.ino, b"sub", dir_row())
@@ -479,7 +447,6 @@ class MetaConformance:
         assert await store.orphans() == []  # rmdir leaves no row behind
         assert await store.stats() == (1, 0)
 
-    @trio_test
     async def test_rmdir_errors(self, store):
         f = await store.create(ROOT_INO, b"f", file_row())
         with pytest.raises(err.NotADirectory):
@@ -491,7 +458,6 @@ class MetaConformance:
 
     # --- rename -------------------------------------------------------------------------------
 
-    @trio_test
     async def test_rename_file_across_dirs(self, store):
         a = await store.create(ROOT_INO, b"a", dir_row())
         b = await store.create(ROOT_INO, b"b", dir_row())
@@ -505,7 +471,6 @@ class MetaConformance:
         assert [(await store.get_inode(d)).nlink for d in (a.ino, b.ino)] == [2, 2]
         assert await store.paths_of(f.ino) == ["b/g"]
 
-    @trio_test
     async def test_rename_dir_moves_nlink(self, store):
         a = await store.create(ROOT_INO, b"a", dir_row())
         b = await store.create(ROOT_INO, b"b", dir_row())
@@ -520,7 +485,6 @@ class MetaConformance:
         await store.rename(b.ino, b"d", b.ino, b"e")  # same parent: counts unchanged
         assert (await store.get_inode(b.ino)).nlink == 3
 
-    @trio_test
     async def test_rename_over_file(self, store):
         src = await store.create(ROOT_INO, b"src", file_row())
         dst = await store.create(ROOT_INO, b"dst", file_row())
@@ -531,7 +495,6 @@ class MetaConformance:
         assert (await store.get_inode(dst.ino)).nlink == 0  # kept like unlink
         assert [row.ino for row in await store.orphans()] == [dst.ino]
 
-    @trio_test
     async def test_rename_over_hard_linked_file(self, store):
         src = await store.create(ROOT_INO, b"src", file_row())
         dst = await store.create(ROOT_INO, b"dst", file_row())
@@ -541,7 +504,6 @@ class MetaConformance:
         assert await store.paths_of(dst.ino) == ["other"]
         assert await store.paths_of(src.ino) == ["dst"]
 
-    @trio_test
     async def test_rename_over_empty_dir(self, store):
         a = await store.create(ROOT_INO, b"a", dir_row())
         d = await store.create(ROOT_INO, b"d", dir_row())
@@ -557,7 +519,6 @@ class MetaConformance:
         assert (await store.get_inode(ROOT_INO)).nlink == 3  # lost d
         assert await store.orphans() == []
 
-    @trio_test
     async def test_rename_over_nonempty_dir(self, store):
         await store.create(ROOT_INO, b"d", dir_row())
         t = await store.create(ROOT_INO, b"t", dir_row())
@@ -566,7 +527,6 @@ class MetaConformance:
             await store.rename(ROOT_INO, b"d", ROOT_INO, b"t")
         assert await names(store, ROOT_INO) == [b"d", b"t"]
 
-    @trio_test
     async def test_rename_type_mismatch(self, store):
         await store.create(ROOT_INO, b"d", dir_row())
         await store.create(ROOT_INO, b"f", file_row())
@@ -575,7 +535,6 @@ class MetaConformance:
         with pytest.raises(err.IsADirectory):
             await store.rename(ROOT_INO, b"f", ROOT_INO, b"d")
 
-    @trio_test
     async def test_rename_into_own_subtree(self, store):
         c = await mkdirs(store, b"a/b/c")
         a = (await store.lookup(ROOT_INO, b"a")).ino
@@ -589,7 +548,6 @@ class MetaConformance:
         assert await store.paths_of(c) == ["c"]
         assert (await store.get_inode(b)).nlink == 2
 
-    @trio_test
     async def test_rename_noreplace(self, store):
         await store.create(ROOT_INO, b"a", file_row())
         await store.create(ROOT_INO, b"b", file_row())
@@ -598,7 +556,6 @@ class MetaConformance:
         assert await store.rename(ROOT_INO, b"a", ROOT_INO, b"c", noreplace=True) is None
         assert await names(store, ROOT_INO) == [b"c", b"b"]
 
-    @trio_test
     async def test_rename_exchange(self, store):
         a = await store.create(ROOT_INO, b"a", dir_row())
         f = await store.create(ROOT_INO, b"f", file_row())
@@ -614,14 +571,12 @@ class MetaConformance:
         with pytest.raises(err.InvalidArgument):
             await store.rename(ROOT_INO, b"f", ROOT_INO, b"a", exchange=True, noreplace=True)
 
-    @trio_test
     async def test_rename_exchange_with_own_ancestor(self, store):
         a = await store.create(ROOT_INO, b"a", dir_row())
         await store.create(a.ino, b"b", dir_row())
         with pytest.raises(err.InvalidArgument):
             await store.rename(ROOT_INO, b"a", a.ino, b"b", exchange=True)
 
-    @trio_test
     async def test_rename_noops_and_missing(self, store):
         f = await store.create(ROOT_INO, b"f", file_row())
         await store.link(f.ino, ROOT_INO, b"g")
@@ -636,7 +591,6 @@ class MetaConformance:
 
     # --- attributes, manifests, states ---------------------------------------------------------
 
-    @trio_test
     async def test_set_attrs(self, store):
         f = await store.create(ROOT_INO, b"f", file_row())
         row = await store.set_attrs(
@@ -653,7 +607,6 @@ class MetaConformance:
         with pytest.raises(err.NotFound):
             await store.set_attrs(4242, size=1)
 
-    @trio_test
     async def test_commit_manifest(self, store):
         f = await store.create(ROOT_INO, b"f", file_row())
         manifest = HASH_A + HOLE + HASH_B
@@ -672,7 +625,6 @@ class MetaConformance:
         with pytest.raises(ValueError):
             await store.commit_manifest(f.ino, size=1, manifest=b"", state="lost")
 
-    @trio_test
     async def test_set_state_compare_and_set(self, store):
         f = await store.create(ROOT_INO, b"f", file_row())
         v1 = (await store.commit_manifest(f.ino, size=1, manifest=HASH_A, state=STATE_STAGED)).version
@@ -703,7 +655,6 @@ class MetaConformance:
         with pytest.raises(ValueError):
             await store.set_state(f.ino, "gone")
 
-    @trio_test
     async def test_set_manifest_if_only_while_the_imported_version_has_none(self, store):
         f = await store.create(ROOT_INO, b"f", file_row(state=STATE_DURABLE, manifest=None, backend_keys=["f"],
                                                           backend_etag="e1", size=5))
@@ -719,7 +670,6 @@ class MetaConformance:
         with pytest.raises(err.NotFound):
             await store.set_manifest_if(4242, HASH_A, etag="e1")
 
-    @trio_test
     async def test_inodes_in_states(self, store):
         rows = {}
         for name, state in [(b"s", STATE_STAGED), (b"p", STATE_PERSISTING), (b"d", STATE_DURABLE)]:
@@ -732,7 +682,6 @@ class MetaConformance:
 
     # --- cluster: owner and holders of a version ---------------------------------------------
 
-    @trio_test
     async def test_owner_and_holders(self, store):
         f = await store.create(ROOT_INO, b"f", file_row())
         assert (f.owner, f.holders) == (None, [])
@@ -753,7 +702,6 @@ class MetaConformance:
         with pytest.raises(ValueError):
             await store.set_attrs(f.ino, holders="n1")  # a string is not a list of nodes
 
-    @trio_test
     async def test_claim_owner_compare_and_set(self, store):
         f = await store.create(ROOT_INO, b"f", file_row())
         v1 = (await store.commit_manifest(f.ino, size=1, manifest=HASH_A, state=STATE_STAGED)).version
@@ -775,7 +723,6 @@ class MetaConformance:
 
     # --- cluster: nodes -----------------------------------------------------------------------
 
-    @trio_test
     async def test_nodes_round_trip(self, store, meta_url):
         assert await store.nodes() == []
         await store.upsert_node("node-b", "10.0.0.2:7000", {"dram": 64 << 30}, T0)
@@ -809,7 +756,6 @@ class MetaConformance:
 
     # --- cluster: chunk sources -------------------------------------------------------------------
 
-    @trio_test
     async def test_chunk_sources_upsert_and_forget(self, store):
         four_mib = 4 << 20
         entries = [(HASH_A, 0, four_mib), (HOLE, four_mib, four_mib), (HASH_B, 2 * four_mib, 100)]
@@ -834,7 +780,6 @@ class MetaConformance:
             with pytest.raises(ValueError):
                 await store.record_chunk_sources("k", None, [bad])
 
-    @trio_test
     async def test_chunk_sources_in_bulk(self, store):
         count = 3 * META_KEYS_PER_STATEMENT_MAX + 7  # several IN lists
         keys = [i.to_bytes(32, "big") for i in range(1, count + 1)]
@@ -851,7 +796,6 @@ class MetaConformance:
 
     # --- paths_of -------------------------------------------------------------------------------------
 
-    @trio_test
     async def test_paths_of_nested_and_hard_links(self, store):
         c = await mkdirs(store, b"a/b/c")
         x = await mkdirs(store, b"x")
@@ -865,7 +809,6 @@ class MetaConformance:
         await store.rename(ROOT_INO, b"a", x, b"A")
         assert await store.paths_of(f.ino) == ["x/A/b/c/f.bin", "x/g.bin", "top"]
 
-    @trio_test
     async def test_paths_of_decodes_like_os(self, store):
         d = await store.create(ROOT_INO, b"\xff", dir_row())
         f = await store.create(d.ino, "é".encode(), file_row())
@@ -873,7 +816,6 @@ class MetaConformance:
 
     # --- orphans / delete_inode / stats --------------------------------------------------------------
 
-    @trio_test
     async def test_delete_inode(self, store):
         f = await store.create(ROOT_INO, b"f", file_row())
         await store.setxattr(f.ino, b"user.x", b"1")
@@ -888,7 +830,6 @@ class MetaConformance:
             await store.getxattr(f.ino, b"user.x")
         assert await store.stats() == (1, 0)
 
-    @trio_test
     async def test_stats(self, store):
         d = await store.create(ROOT_INO, b"d", dir_row())
         await store.set_attrs(d.ino, size=4096)  # a directory's size is not data
@@ -901,7 +842,6 @@ class MetaConformance:
 
     # --- xattrs --------------------------------------------------------------------------------------------
 
-    @trio_test
     async def test_xattr_roundtrip(self, store):
         f = await store.create(ROOT_INO, b"f", file_row())
         assert await store.listxattr(f.ino) == []
@@ -920,7 +860,6 @@ class MetaConformance:
         with pytest.raises(err.NoAttribute):
             await store.removexattr(f.ino, b"user.a")
 
-    @trio_test
     async def test_xattr_flags(self, store):
         f = await store.create(ROOT_INO, b"f", file_row())
         with pytest.raises(err.NoAttribute):
@@ -933,7 +872,6 @@ class MetaConformance:
         with pytest.raises(err.InvalidArgument):
             await store.setxattr(f.ino, b"user.k", b"4", os.XATTR_CREATE | os.XATTR_REPLACE)
 
-    @trio_test
     async def test_xattr_limits_and_missing_inode(self, store):
         f = await store.create(ROOT_INO, b"f", file_row())
         await store.setxattr(f.ino, b"n" * XATTR_NAME_BYTES_MAX, b"v" * XATTR_VALUE_BYTES_MAX)
@@ -952,7 +890,6 @@ class MetaConformance:
             with pytest.raises(err.NotFound):
                 await call
 
-    @trio_test
     async def test_xattr_count_limit(self, store):
         f = await store.create(ROOT_INO, b"f", file_row())
         for i in range(XATTRS_PER_INODE_MAX):
@@ -961,7 +898,6 @@ class MetaConformance:
             await store.setxattr(f.ino, b"user.one-too-many", b"")
         await store.setxattr(f.ino, b"user.0", b"replacing is fine")
 
-    @trio_test
     async def test_xattr_inheritance(self, store):
         ckpt = await store.create(ROOT_INO, b"ckpt", dir_row())
         await store.setxattr(ckpt.ino, b"user.aiturbo.group", b"job7")
@@ -985,7 +921,6 @@ class MetaConformance:
 
     # --- several stores, restarts -----------------------------------------------------------------------
 
-    @trio_test
     async def test_persists_across_reopen(self, store, meta_url):
         d = await store.create(ROOT_INO, b"d", dir_row())
         f = await store.create(d.ino, b"f", file_row())
@@ -1009,7 +944,6 @@ class MetaConformance:
         finally:
             await reopened.close()
 
-    @trio_test
     async def test_two_stores_share_one_database(self, store, meta_url):
         other = await open_store(meta_url)
         try:
@@ -1049,7 +983,6 @@ class TestSQLite(MetaConformance):
 
         return run
 
-    @trio_test
     async def test_too_many_links(self, store, monkeypatch):
         from aiturbofs.meta import _sql
 
@@ -1060,12 +993,11 @@ class TestSQLite(MetaConformance):
         with pytest.raises(err.TooManyLinks):
             await store.link(f.ino, ROOT_INO, b"f3")
 
-    def test_uses_wal(self, store, tmp_path):
+    async def test_uses_wal(self, store, tmp_path):
         with sqlite3.connect(tmp_path / "meta.db") as conn:
             assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         conn.close()
 
-    @trio_test
     async def test_durable_commits_share_fsyncs(self, store, monkeypatch):
         """64 durable state changes at once: every one returns synced, with far
         fewer fsyncs of the WAL than changes, and none while a commit ran."""
@@ -1091,7 +1023,6 @@ class TestSQLite(MetaConformance):
         assert 1 <= len(fsyncs) <= 8, fsyncs
         assert len(synced) == 64 and min(synced) >= 1
 
-    @trio_test
     async def test_durable_write_committing_in_a_thread_gets_an_fsync_after_its_commit(self, store, tmp_path, monkeypatch):
         """A sync() while a durable write still waits (in a thread) for another
         daemon's lock must not count that write as synced: it gets an fsync
@@ -1116,7 +1047,6 @@ class TestSQLite(MetaConformance):
         assert (await store.get_inode(f.ino)).state == STATE_DURABLE
         assert len(fsyncs) == 2, fsyncs  # sync()'s, and one after the write's commit
 
-    @trio_test
     async def test_write_waits_in_a_thread_while_another_daemon_holds_the_lock(self, store, tmp_path):
         """A write finding the database locked by another connection does not
         block the trio thread: it waits in a thread, and commits once free."""
@@ -1173,11 +1103,9 @@ class TestPostgres(MetaConformance):
 
         return run
 
-    @trio_test
     async def test_inode_numbers_start_after_root(self, store):
         assert (await store.create(ROOT_INO, b"first", file_row())).ino == ROOT_INO + 1
 
-    @trio_test
     async def test_connection_loss_is_transient(self, store, meta_url):
         import psycopg
 
@@ -1200,7 +1128,6 @@ class TestPostgres(MetaConformance):
         assert "connection lost" in str(caught.value)
         assert (await store.get_inode(f.ino)).ino == f.ino  # reconnected
 
-    @trio_test
     async def test_a_connection_lost_mid_call_is_not_used_again(self, store, meta_url):
         import psycopg
 
@@ -1257,7 +1184,6 @@ class TestPostgres(MetaConformance):
 
             trio.run(main)
 
-    @trio_test
     async def test_gives_up_after_bounded_conflicts(self, store, monkeypatch):
         import psycopg
 
@@ -1278,7 +1204,6 @@ class TestPostgres(MetaConformance):
         del store._tx_stats
         assert await store.stats() == (1, 0)  # the connection is fine
 
-    @trio_test
     async def test_only_conflicts_run_a_transaction_again(self, store):
         import psycopg
 
@@ -1306,7 +1231,6 @@ class TestPostgres(MetaConformance):
         del store._tx_stats
         assert await store.stats() == (1, 0)
 
-    @trio_test
     async def test_directory_locks_are_released(self, store, meta_url):
         import psycopg
 
@@ -1326,14 +1250,12 @@ class TestPostgres(MetaConformance):
             held = admin.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone()[0]
         assert held == 0
 
-    @trio_test
     async def test_unreachable_server_is_transient(self):
         store = open_meta(f"postgresql://aiturbo@127.0.0.1:{free_port()}/nowhere")
         with pytest.raises(err.AiturboError) as caught:
             await store.init(root_uid=UID, root_gid=GID, root_mode=0o755)
         assert caught.value.errno == errno.EIO and "cannot connect" in str(caught.value)
 
-    @trio_test
     async def test_concurrent_init_and_same_name_creates(self, meta_url):
         stores = [open_meta(meta_url) for _ in range(4)]
         created, existed = [], []
@@ -1393,7 +1315,6 @@ def test_open_meta_rejects_bad_urls(url):
         open_meta(url)
 
 
-@trio_test
 async def test_the_sqlite_database_is_readable_by_its_owner_only(tmp_path):
     # It names every file, of 0700 directories too: it was created 0644 (and its -wal, -shm with it).
     old = os.umask(0o022)

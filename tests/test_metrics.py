@@ -17,9 +17,8 @@ import urllib.request
 import pytest
 from cluster import Cluster
 from mounting import aiturbo, wait_state
-from pgserver import pg_server  # noqa: F401  (a fixture)
 from prometheus_client.parser import text_string_to_metric_families
-from s3server import S3Server, s3_server  # noqa: F401  (a fixture)
+from s3server import S3Server
 
 from aiturbofs._limits import METRICS_NODE_ADDRESS_DEFAULT, MiB
 
@@ -199,7 +198,7 @@ def test_backend_outage_counts_retries_and_the_broken_file(s3, make_mount):
 
 
 @pytest.fixture
-def cluster(pg_server, s3_server, tmp_path):  # noqa: F811
+def cluster(pg_server, s3_server, tmp_path):
     c = Cluster(str(tmp_path / "c"), pg=pg_server, s3=s3_server, n=3)
     try:
         yield c.start()
@@ -218,6 +217,8 @@ def _summaries_of_every_node(c: Cluster) -> list[dict]:
         time.sleep(0.2)
 
 
+@pytest.mark.fuse
+@pytest.mark.cluster
 def test_cluster_status_and_metrics(cluster):
     c = cluster
     job = os.path.join(c.nodes[0].mountpoint, "job")

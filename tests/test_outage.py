@@ -21,7 +21,7 @@ import time
 import pytest
 from mounting import aiturbo, state, wait_state
 from s3server import S3Server
-from test_durability import (  # noqa: F401  (s3, s3m, s3_outage_server are fixtures)
+from test_durability import (
     CHUNK,
     WAIT_S,
     MiB,
@@ -29,9 +29,6 @@ from test_durability import (  # noqa: F401  (s3, s3m, s3_outage_server are fixt
     get,
     in_thread,
     put,
-    s3,
-    s3_outage_server,
-    s3m,
     sha,
     status,
     wait_until,

@@ -16,8 +16,11 @@ import pytest
 
 from aiturbofs.fuse import probe_passthrough
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not probe_passthrough().available,
-                                reason="FUSE passthrough needs Linux 6.9+ and CAP_SYS_ADMIN")
+pytestmark = [
+    pytest.mark.fuse,
+    pytest.mark.root("FUSE passthrough (CAP_SYS_ADMIN)"),
+    pytest.mark.skipif(not probe_passthrough().available, reason="FUSE passthrough needs Linux 6.9+ and CAP_SYS_ADMIN"),
+]
 
 MiB = 1 << 20
 

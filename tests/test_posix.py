@@ -1066,6 +1066,7 @@ print(attempt(os.open, "../root-only", os.O_RDONLY, dir_fd=D))
 """
 
 
+@pytest.mark.root("running a child as another user")
 def test_created_files_owned_by_caller(make_mount, tmp_path):
     m = make_mount(allow_other=True)  # other users may use the mount at all
     shared = m.path("shared")

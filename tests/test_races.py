@@ -12,6 +12,7 @@ import os
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
 
+import pytest
 import trio
 
 from aiturbofs.backend import open_backend
@@ -22,6 +23,8 @@ from aiturbofs.vfs import Filesystem, VfsOptions
 MiB = 1 << 20
 CHUNK = 8 * MiB
 UID, GID = os.getuid(), os.getgid()
+
+pytestmark = pytest.mark.fail_after(60)  # a lost wakeup fails the test instead of hanging the suite
 
 
 @asynccontextmanager
@@ -61,11 +64,6 @@ class Gate:
         self.released.set()
 
 
-async def bounded(main):
-    with trio.fail_after(60):  # a lost wakeup fails the test instead of hanging the suite
-        await main()
-
-
 async def durable_file(fs: Filesystem, name: bytes, data: bytes) -> int:
     handle, row = await fs.create(ROOT_INO, name, 0o644, os.O_WRONLY, UID, GID)
     await fs.write(handle.fh, 0, data)
@@ -75,7 +73,7 @@ async def durable_file(fs: Filesystem, name: bytes, data: bytes) -> int:
     return row.ino
 
 
-def test_a_stale_row_read_during_a_commit_is_not_taken(tmp_path):
+async def test_a_stale_row_read_during_a_commit_is_not_taken(tmp_path):
     """D11: open re-read the row (close-to-open) while a writer committed; the older row
     (its previous version, durable) replaced the committed one, so
     ``sync_close`` could return before the new version was durable."""
@@ -98,10 +96,10 @@ def test_a_stale_row_read_during_a_commit_is_not_taken(tmp_path):
             await fs.wait_durable(ino)
             assert (await fs.meta.get_inode(ino)).persisted_version == committed
 
-    trio.run(bounded, main)
+    await main()
 
 
-def test_open_does_not_drop_the_bytes_of_a_writer_that_opened_meanwhile(tmp_path):
+async def test_open_does_not_drop_the_bytes_of_a_writer_that_opened_meanwhile(tmp_path):
     """D11: in a cluster, open compared the cached content with the row it
     re-read and dropped the content if they differed, but checked that nobody
     had the file open *before* that await: a writer opening meanwhile lost
@@ -124,10 +122,10 @@ def test_open_does_not_drop_the_bytes_of_a_writer_that_opened_meanwhile(tmp_path
             got = await fs.read(writer.fh, 0, 100)
             assert bytes(got) == b"longer bytes"
 
-    trio.run(bounded, main)
+    await main()
 
 
-def test_a_truncate_while_a_write_waits_for_memory(tmp_path):
+async def test_a_truncate_while_a_write_waits_for_memory(tmp_path):
     """D11: a write waiting for pool memory re-read ``slots[index]`` after the
     wait, but a truncate meanwhile had cut the slot list: IndexError (EIO) and
     the chunk buffer it had been given was never returned."""
@@ -162,4 +160,4 @@ def test_a_truncate_while_a_write_waits_for_memory(tmp_path):
             stats = fs.pool.stats()
             assert stats.open_bytes == 0, stats  # no buffer left behind
 
-    trio.run(bounded, main)
+    await main()

@@ -27,7 +27,7 @@ import time
 import pytest
 import trio
 from mounting import aiturbo, state, wait_state, wipe_staging
-from test_durability import (  # noqa: F401  (s3, s3m, s3_outage_server are fixtures)
+from test_durability import (
     CHUNK,
     WAIT_S,
     MiB,
@@ -35,9 +35,6 @@ from test_durability import (  # noqa: F401  (s3, s3m, s3_outage_server are fixt
     get,
     local_objects,
     put,
-    s3,
-    s3_outage_server,
-    s3m,
     sha,
     status,
     wait_until,
@@ -195,7 +192,8 @@ def backing_files(m) -> list[str]:
     return found
 
 
-@pytest.mark.skipif(not (os.geteuid() == 0 and probe_passthrough().available), reason="needs FUSE passthrough")
+@pytest.mark.root("FUSE passthrough (CAP_SYS_ADMIN)")
+@pytest.mark.skipif(not probe_passthrough().available, reason="needs FUSE passthrough")
 def test_kill9_keeps_the_files_the_kernel_wrote_on_disk(s3m):
     """A file the kernel writes has its backing file on disk (one file may be larger than DRAM); after
     a kill -9 and a reboot that empties the tmpfs, the restart finds its chunks there, serves and
@@ -692,7 +690,7 @@ def test_objects_from_other_tools_show_up(kind, request, make_mount, tmp_path):
 # ----------------------------------------------------------------- spill store unit
 
 
-def test_concurrent_spills_of_one_chunk_leave_a_whole_file(tmp_path):
+async def test_concurrent_spills_of_one_chunk_leave_a_whole_file(tmp_path):
     """Regression: two spills of one key shared a temp file; one renamed it half-written."""
     data = secrets.token_bytes(CHUNK)
     key = chunk.digest(data)
@@ -707,4 +705,4 @@ def test_concurrent_spills_of_one_chunk_leave_a_whole_file(tmp_path):
             assert os.listdir(tmp_path / "spill") == [key.hex()]
             store.discard(key)
 
-    trio.run(main)
+    await main()

@@ -15,9 +15,7 @@ import sys
 import tempfile
 
 import pytest
-import trio
 from mounting import REPO, is_mounted, wait_state
-from s3server import s3_server  # noqa: F401  (a session fixture)
 from test_posix import tree
 
 from aiturbofs._errors import BackendError, InvalidArgument
@@ -72,6 +70,7 @@ def _write(path: str, data: bytes, mode: int) -> None:
 
 
 # ------------------------------------------------------------ mount options
+@pytest.mark.root("the options of a root mount, checked by another user")
 def test_root_mount_is_shared_with_modes_checked_by_default(make_mount):
     # A training node's users share /mnt/aiturbo: root mounts with allow_other
     # and the kernel enforces the modes (default_permissions), as JuiceFS does.
@@ -91,6 +90,7 @@ def test_root_mount_is_shared_with_modes_checked_by_default(make_mount):
     assert out == ["True", "EACCES", "EPERM"], out
 
 
+@pytest.mark.root("running a child as another user")
 def test_write_by_another_user_clears_setuid_and_setgid(make_mount):
     # pjdfstest chmod/12.t: a write by a user without CAP_FSETID kills the
     # set-user-ID and set-group-ID bits, through an O_WRONLY handle too.
@@ -113,6 +113,7 @@ def test_write_by_another_user_clears_setuid_and_setgid(make_mount):
         assert open(m.path(name), "rb").read() == b"new"
 
 
+@pytest.mark.root("running a child as another user")
 def test_open_with_o_trunc_by_another_user_clears_setuid_and_setgid(make_mount):
     # As truncate(2) does (tmpfs, ext4): an open(O_TRUNC) by a user without CAP_FSETID kills
     # set-user-ID, and set-group-ID where the group may execute.  The kernel sends the truncation
@@ -141,6 +142,7 @@ def test_open_with_o_trunc_by_another_user_clears_setuid_and_setgid(make_mount):
     assert stat.S_IMODE(os.stat(m.path("suid")).st_mode) == 0o4755
 
 
+@pytest.mark.root("running a child as another user")
 def test_allow_other_no_keeps_other_users_out(make_mount):
     m = make_mount(allow_other="no")
     per_mount, per_sb = _mountinfo(m.mountpoint)
@@ -156,6 +158,7 @@ def test_allow_other_no_keeps_other_users_out(make_mount):
     assert out == ["EACCES", "EACCES"], out
 
 
+@pytest.mark.root("running a child as another user")
 def test_allow_other_still_checks_modes(make_mount):
     m = make_mount(allow_other=True)
     _, per_sb = _mountinfo(m.mountpoint)
@@ -180,6 +183,7 @@ def test_allow_other_still_checks_modes(make_mount):
 
 
 # ------------------------------------------------------------- local state
+@pytest.mark.root("the mount's own files are root's")
 def test_control_socket_and_state_dir_are_root_only(make_mount):
     m = make_mount()
     sock = control_socket(m.mountpoint)
@@ -199,6 +203,7 @@ def _ask(path: str, request: dict) -> dict:
         return json.loads(s.makefile("rb").readline())
 
 
+@pytest.mark.root("running a child as another user")
 def test_control_socket_refuses_other_users_even_when_reachable(make_mount):
     """A socket made reachable by mistake (mode loosened, hard-linked into a
     public directory) still answers only root: the daemon checks SO_PEERCRED."""
@@ -292,7 +297,7 @@ ODD_KEYS = {
 }
 
 
-def test_odd_backend_keys_never_escape_the_mount(make_mount, s3_server, datapath):  # noqa: F811
+def test_odd_backend_keys_never_escape_the_mount(make_mount, s3_server, datapath):
     bucket = s3_server.make_bucket(f"odd-keys-{datapath}")  # a bucket per data path: the server is shared
     client = s3_server.client()
     for key, body in ODD_KEYS.items():
@@ -355,7 +360,7 @@ def test_local_backend_symlinks_are_imported_as_symlinks_and_never_followed(make
 
 
 # ------------------------------------------------------- keys from peers
-def test_upload_tokens_cannot_name_keys_outside_the_backend(tmp_path):
+async def test_upload_tokens_cannot_name_keys_outside_the_backend(tmp_path):
     """A peer that passed the handshake sends a key and an upload token with
     ``write_remote_part``: neither may point outside the backend root."""
     root = tmp_path / "root"
@@ -380,6 +385,6 @@ def test_upload_tokens_cannot_name_keys_outside_the_backend(tmp_path):
             await upload.abort()
             await backend.aclose()
 
-    trio.run(main)
+    await main()
     assert sorted(os.listdir(root)) in ([], ["dir"]) and not os.path.exists(tmp_path / "escape")
     assert not (root / "dir").exists() or os.listdir(root / "dir") == []

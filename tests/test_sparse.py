@@ -21,7 +21,6 @@ import time
 
 import pytest
 from mounting import aiturbo, wait_state
-from s3server import s3_server  # noqa: F401  (a fixture)
 from test_metrics import scrape, status, value
 from test_reads import pread_direct
 
@@ -120,7 +119,7 @@ def test_chunks_written_as_zeros_become_holes(small_backend, make_mount):
     assert pread_direct(path, 4 * CHUNK_BYTES, 4096) == tail
 
 
-def test_s3_uploads_one_zero_chunk_and_copies_the_other_holes(s3_server, make_mount):  # noqa: F811
+def test_s3_uploads_one_zero_chunk_and_copies_the_other_holes(s3_server, make_mount):
     hole = 256 * MiB
     bucket = s3_server.make_bucket(f"sparse-{secrets.token_hex(6)}")
     m = make_mount(f"s3://{bucket}/pre", s3_endpoint=s3_server.endpoint, dram="32M", metrics="127.0.0.1:0")

@@ -14,10 +14,6 @@ from aiturbofs.staging import SPILL_FILES_DIR, BackingArea, Pins, SpillStore, St
 from aiturbofs.staging._backing import punch_hole
 
 
-def run(fn, *args):
-    return trio.run(fn, *args)
-
-
 def _chunk(fill: int) -> tuple[bytes, bytearray]:
     data = bytearray([fill]) * CHUNK_BYTES
     return chunk.digest(data), data
@@ -31,7 +27,7 @@ async def _sealed(pool: StagingPool, fill: int) -> bytes:
     return key
 
 
-def test_dedup_shares_one_buffer(tmp_path):
+async def test_dedup_shares_one_buffer(tmp_path):
     async def main():
         pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
         k1 = await _sealed(pool, 7)
@@ -44,10 +40,10 @@ def test_dedup_shares_one_buffer(tmp_path):
         pool.unpin(k1)
         assert pool.stats().clean_bytes == CHUNK_BYTES
 
-    run(main)
+    await main()
 
 
-def test_clean_chunks_are_evicted_for_writers(tmp_path):
+async def test_clean_chunks_are_evicted_for_writers(tmp_path):
     async def main():
         pool = StagingPool(2 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
         a = await _sealed(pool, 1)
@@ -58,10 +54,10 @@ def test_clean_chunks_are_evicted_for_writers(tmp_path):
             await pool.alloc(CHUNK_BYTES)  # must not wait: clean data is evictable
         assert pool.used_bytes <= pool.budget_bytes
 
-    run(main)
+    await main()
 
 
-def test_pinned_chunks_spill_instead_of_being_dropped(tmp_path):
+async def test_pinned_chunks_spill_instead_of_being_dropped(tmp_path):
     async def main():
         spill = SpillStore(str(tmp_path / "spill"))
         pool = StagingPool(2 * CHUNK_BYTES, spill, eager_spill=True)
@@ -76,10 +72,10 @@ def test_pinned_chunks_spill_instead_of_being_dropped(tmp_path):
             view = await pool.read(key, fetch=None)
             assert bytes(view[:10]) == bytes([fill]) * 10
 
-    run(main)
+    await main()
 
 
-def test_writer_waits_for_persist_without_spill_option(tmp_path):
+async def test_writer_waits_for_persist_without_spill_option(tmp_path):
     async def main():
         pool = StagingPool(2 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
         a = await _sealed(pool, 1)
@@ -97,10 +93,10 @@ def test_writer_waits_for_persist_without_spill_option(tmp_path):
             pool._notify_freed()
         assert got and len(got[0]) == CHUNK_BYTES
 
-    run(main)
+    await main()
 
 
-def test_durable_chunk_leaves_the_spill_dir(tmp_path):
+async def test_durable_chunk_leaves_the_spill_dir(tmp_path):
     async def main():
         spill = SpillStore(str(tmp_path / "spill"))
         pool = StagingPool(4 * CHUNK_BYTES, spill, eager_spill=True)
@@ -114,7 +110,7 @@ def test_durable_chunk_leaves_the_spill_dir(tmp_path):
             assert a not in spill and not os.listdir(spill.directory)
             n.cancel_scope.cancel()
 
-    run(main)
+    await main()
 
 
 async def _concurrent_misses(pool: StagingPool, readers: int) -> tuple[bytes, int, list[bytes]]:
@@ -138,16 +134,16 @@ async def _concurrent_misses(pool: StagingPool, readers: int) -> tuple[bytes, in
     return key, len(calls), results
 
 
-def test_concurrent_misses_fetch_once(tmp_path):
+async def test_concurrent_misses_fetch_once(tmp_path):
     async def main():
         pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
         _key, calls, results = await _concurrent_misses(pool, 5)
         assert calls == 1 and results == [bytes([9]) * 4] * 5
 
-    run(main)
+    await main()
 
 
-def test_corrupt_spill_file_is_detected(tmp_path):
+async def test_corrupt_spill_file_is_detected(tmp_path):
     async def main():
         spill = SpillStore(str(tmp_path / "spill"))
         key, data = _chunk(5)
@@ -160,10 +156,10 @@ def test_corrupt_spill_file_is_detected(tmp_path):
             await spill.read(key)
         assert key not in spill and not os.path.exists(path)
 
-    run(main)
+    await main()
 
 
-def test_spill_store_survives_restart_and_drops_torn_writes(tmp_path):
+async def test_spill_store_survives_restart_and_drops_torn_writes(tmp_path):
     async def main():
         d = str(tmp_path / "spill")
         spill = SpillStore(d)
@@ -175,10 +171,10 @@ def test_spill_store_survives_restart_and_drops_torn_writes(tmp_path):
         assert key in again and len(again.keys()) == 1
         assert await again.read(key) == bytes(data)
 
-    run(main)
+    await main()
 
 
-def test_recovered_chunk_adopted_again_has_the_writers_length(tmp_path):
+async def test_recovered_chunk_adopted_again_has_the_writers_length(tmp_path):
     # After a restart a spilled chunk is known by key only (length unknown);
     # a writer sealing the same bytes again (frozen layers, zero chunks) must
     # give the entry its real length, or view() and the upload part are short.
@@ -194,7 +190,7 @@ def test_recovered_chunk_adopted_again_has_the_writers_length(tmp_path):
         view = pool.view(key)
         assert view is not None and len(view) == CHUNK_BYTES and view == data
 
-    run(main)
+    await main()
 
 
 async def _full_pool(tmp_path) -> StagingPool:
@@ -205,7 +201,7 @@ async def _full_pool(tmp_path) -> StagingPool:
     return pool
 
 
-def test_eight_misses_under_a_full_pool_make_one_fetch(tmp_path):
+async def test_eight_misses_under_a_full_pool_make_one_fetch(tmp_path):
     # The fetched chunk cannot be cached (the pool is full of dirty data):
     # the waiters used to find nothing in the pool and fetch again, one
     # after another (8 fetches in series).  They now get the one result.
@@ -215,10 +211,10 @@ def test_eight_misses_under_a_full_pool_make_one_fetch(tmp_path):
         assert pool.view(key) is None  # really not cached
         assert calls == 1 and results == [bytes([9]) * 4] * 8
 
-    run(main)
+    await main()
 
 
-def test_one_failed_fetch_reaches_all_eight_waiters(tmp_path):
+async def test_one_failed_fetch_reaches_all_eight_waiters(tmp_path):
     async def main():
         pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
         key, _data = _chunk(3)
@@ -242,10 +238,10 @@ def test_one_failed_fetch_reaches_all_eight_waiters(tmp_path):
                 n.start_soon(reader)
         assert len(calls) == 1 and len(errors) == 8 and "does not hash" in errors[0]
 
-    run(main)
+    await main()
 
 
-def test_a_lease_kept_across_memory_pressure_keeps_its_bytes(tmp_path):
+async def test_a_lease_kept_across_memory_pressure_keeps_its_bytes(tmp_path):
     # A chunk cached in a file's backing range is leased by a reader when a
     # writer needs room: the lease is a copy (never a map of the range), so
     # the writer gets the room at once, the range is punched, and the
@@ -269,10 +265,10 @@ def test_a_lease_kept_across_memory_pressure_keeps_its_bytes(tmp_path):
             assert rng.pread(0, CHUNK_BYTES) == bytes(CHUNK_BYTES)  # punched: its memory is back
             assert bytes(view) == bytes(data)
 
-    run(main)
+    await main()
 
 
-def test_a_range_written_again_keeps_the_pinned_version_elsewhere(tmp_path):
+async def test_a_range_written_again_keeps_the_pinned_version_elsewhere(tmp_path):
     # A sealed chunk in its file's range is pinned (its version is not yet
     # durable) when the file writes there again: take_range moves the
     # chunk's bytes into a buffer of its own before the range changes.
@@ -290,10 +286,10 @@ def test_a_range_written_again_keeps_the_pinned_version_elsewhere(tmp_path):
         assert pool.pinned(key) and bytes(pool.view(key)) == bytes(data)
         assert pool.used_bytes == 2 * CHUNK_BYTES  # the range (now the writer's) and the copy
 
-    run(main)
+    await main()
 
 
-def test_a_fetch_finishing_while_its_file_writes_there_is_not_cached_in_the_range(tmp_path):
+async def test_a_fetch_finishing_while_its_file_writes_there_is_not_cached_in_the_range(tmp_path):
     # A read-ahead of a chunk is in flight when a writer reopens that chunk:
     # the fetched (old) bytes must not become a pool entry in the range the
     # writer is about to change (the entry would then hold the new bytes
@@ -321,10 +317,10 @@ def test_a_fetch_finishing_while_its_file_writes_there_is_not_cached_in_the_rang
         view = pool.view(key, 0, 4096)
         assert view is None or bytes(view) == bytes(data[:4096])  # never the writer's bytes under the old key
 
-    run(main)
+    await main()
 
 
-def test_pins_of_one_owner_are_released_once(tmp_path):
+async def test_pins_of_one_owner_are_released_once(tmp_path):
     """A version (or a replica hold) ends in several ways; whichever comes second must not unpin again."""
 
     async def main():
@@ -339,10 +335,10 @@ def test_pins_of_one_owner_are_released_once(tmp_path):
         pool.unpin(key)
         assert not pool.pinned(key) and pool.stats().clean_bytes == CHUNK_BYTES
 
-    run(main)
+    await main()
 
 
-def test_a_replica_lives_in_a_backing_file_of_its_own_and_outlives_the_process(tmp_path):
+async def test_a_replica_lives_in_a_backing_file_of_its_own_and_outlives_the_process(tmp_path):
     """A peer's chunk stored here is a file named by its digest, found again by the next run."""
     data = os.urandom(CHUNK_BYTES - 100)
     key = chunk.content_key(data)
@@ -357,7 +353,7 @@ def test_a_replica_lives_in_a_backing_file_of_its_own_and_outlives_the_process(t
         assert pool.pinned(key)
         area.close()  # the process dies: nothing removes the file
 
-    run(first_run)
+    await first_run()
     area = BackingArea(str(tmp_path / "staging"))
     assert area.found_replicas == {key} and not area.found
     path = area.replica(key).path
@@ -366,7 +362,7 @@ def test_a_replica_lives_in_a_backing_file_of_its_own_and_outlives_the_process(t
     assert not os.path.exists(path) and not area.found_replicas
 
 
-def test_a_clean_chunk_takes_another_key_once_its_hash_is_known(tmp_path):
+async def test_a_clean_chunk_takes_another_key_once_its_hash_is_known(tmp_path):
     """An imported object's chunk cached under its name moves to its content key; pinned or taken keys stay."""
     async def main():
         pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
@@ -389,7 +385,7 @@ def test_a_clean_chunk_takes_another_key_once_its_hash_is_known(tmp_path):
         assert pool.has(name) and pool.has(key)
         assert pool.drop_clean() > 0 and not pool.has(name) and not pool.has(key)
 
-    run(main)
+    await main()
 
 
 # --- the staging invariant (docs/design.md, "Staging"): a key's bytes are exactly its bytes ---------------
@@ -416,7 +412,7 @@ async def _seal_in(pool: StagingPool, rng, data: bytes) -> bytes:
     return key
 
 
-def test_a_clean_chunk_the_kernel_may_change_moves_when_another_file_seals_it(tmp_path):
+async def test_a_clean_chunk_the_kernel_may_change_moves_when_another_file_seals_it(tmp_path):
     # Four writers of one content, each fsyncs then closes: the first's version is durable (its chunk
     # clean) while its file is still open for the kernel to write; the next file seals the same chunk.
     # The old entry went away under adopt_range, which then pinned a key no longer in the pool (KeyError
@@ -432,10 +428,10 @@ def test_a_clean_chunk_the_kernel_may_change_moves_when_another_file_seals_it(tm
         assert pool.pinned(key) and second.entry is not None and second.entry.key == key
         assert bytes(pool.view(key)) == data
 
-    run(main)
+    await main()
 
 
-def test_a_leased_chunk_keeps_its_bytes_when_its_range_is_punched(tmp_path):
+async def test_a_leased_chunk_keeps_its_bytes_when_its_range_is_punched(tmp_path):
     # An upload leases a chunk that lives in the range of a file the kernel writes; another file seals
     # the same chunk (it moves there) and the first file's close punches its range.  The lease was a map
     # of that range: the upload sent zeros and the file was called durable.
@@ -454,10 +450,10 @@ def test_a_leased_chunk_keeps_its_bytes_when_its_range_is_punched(tmp_path):
             first.punch()  # what close_kernel does to a range whose chunk lives elsewhere
             assert bytes(view) == data
 
-    run(main)
+    await main()
 
 
-def test_a_chunk_the_kernel_changed_is_never_served_under_its_old_key(tmp_path):
+async def test_a_chunk_the_kernel_changed_is_never_served_under_its_old_key(tmp_path):
     # While a passthrough writer is open, the kernel may write a sealed chunk's range at any moment:
     # whatever is handed out under the key (view, lease, a copy for take_range) is what hashes to it.
     async def main():
@@ -474,7 +470,7 @@ def test_a_chunk_the_kernel_changed_is_never_served_under_its_old_key(tmp_path):
             assert bytes(view) == data
         assert pool.view(key) is None or bytes(pool.view(key)) == data
 
-    run(main)
+    await main()
 
 
 def test_hashing_a_range_never_allocates_memory_in_it(tmp_path):
@@ -504,7 +500,7 @@ def test_hashing_a_range_never_allocates_memory_in_it(tmp_path):
         os.unlink(path)
 
 
-def test_the_check_catches_a_sealed_range_changed_in_place_and_spares_named_chunks(tmp_path):
+async def test_the_check_catches_a_sealed_range_changed_in_place_and_spares_named_chunks(tmp_path):
     # AITURBOFS_CHECK_INVARIANTS (conftest sets it): a copy out of a sealed range is hashed against
     # what the range held when sealed; a chunk cached under a name (an imported object's) is not its
     # hash and passes as long as its range is unchanged.
@@ -532,10 +528,10 @@ def test_the_check_catches_a_sealed_range_changed_in_place_and_spares_named_chun
             async with pool.lease(key, fetch):
                 pass
 
-    run(main)
+    await main()
 
 
-def test_a_chunk_dropped_from_spill_while_it_is_read_is_fetched(tmp_path):
+async def test_a_chunk_dropped_from_spill_while_it_is_read_is_fetched(tmp_path):
     # A prefetch found the chunk in the spill store; before its read ran the chunk went durable and
     # its spill file was discarded: the read raised FileNotFoundError in a background task and the
     # daemon exited (every process using the mount got ENOTCONN).
@@ -556,12 +552,12 @@ def test_a_chunk_dropped_from_spill_while_it_is_read_is_fetched(tmp_path):
 
         assert bytes(await pool.read(key, fetch)) == bytes(data)
 
-    run(main)
+    await main()
 
 
 # --- backing files on disk (files the kernel writes): they cost the pool nothing ---------------------------
 
-def test_chunks_on_disk_cost_no_budget_and_clean_ones_are_trimmed_to_it(tmp_path):
+async def test_chunks_on_disk_cost_no_budget_and_clean_ones_are_trimmed_to_it(tmp_path):
     # A file the kernel writes has its backing file on disk: its sealed chunks count for nothing (the
     # page cache holds them), a pinned one is neither evicted nor spilled, and once clean they are an
     # LRU of their own, trimmed to the budget's worth of chunks (oldest first, the leased one kept).
@@ -605,10 +601,10 @@ def test_chunks_on_disk_cost_no_budget_and_clean_ones_are_trimmed_to_it(tmp_path
         pool.drop_clean()
         assert not any(pool.has(k) for k in keys) and area.bytes_allocated(on_disk=True) == 0
 
-    run(main)
+    await main()
 
 
-def test_with_spill_a_pinned_chunk_on_disk_is_copied_to_the_spill_store(tmp_path):
+async def test_with_spill_a_pinned_chunk_on_disk_is_copied_to_the_spill_store(tmp_path):
     # The page cache may lose what it has not written back in a power cut; -o spill promises a copy that
     # does not (fsynced), so a pinned chunk on disk is spilled too, and dropped from the spill once durable.
     async def main():
@@ -630,7 +626,7 @@ def test_with_spill_a_pinned_chunk_on_disk_is_copied_to_the_spill_store(tmp_path
         pool.unpin(key)
         assert key not in spill and pool.has(key)  # durable: the spill copy goes, the cached one stays
 
-    run(main)
+    await main()
 
 
 def test_a_restart_finds_the_backing_files_on_disk_and_the_spill_store_ignores_their_dir(tmp_path):
@@ -651,7 +647,7 @@ def test_a_restart_finds_the_backing_files_on_disk_and_the_spill_store_ignores_t
     assert not os.path.exists(disk)
 
 
-def test_a_chunk_dropped_while_it_is_spilled_leaves_the_pool_whole(tmp_path):
+async def test_a_chunk_dropped_while_it_is_spilled_leaves_the_pool_whole(tmp_path):
     # The spiller copies a pinned chunk of a range and waits for the spill write; meanwhile a
     # passthrough writer changes the range (its entry is disowned there) and the slot that pinned it
     # lets go: the entry leaves the pool.  When the write returned, the spiller filed the dropped
@@ -686,4 +682,4 @@ def test_a_chunk_dropped_while_it_is_spilled_leaves_the_pool_whole(tmp_path):
         assert pool.pinned(key) and bytes(pool.view(key)) == data
         assert key in spill and await spill.read(key) == data  # the newer entry's spill copy stays
 
-    run(main)
+    await main()

@@ -62,6 +62,10 @@ def _leftovers(run_id: str) -> list[str]:
     return left
 
 
+@pytest.mark.fuse
+@pytest.mark.root("network namespaces, tc")
+@pytest.mark.cluster
+@pytest.mark.slow
 def test_testbed_smoke_builds_runs_and_tears_down():
     reason = _skip_reason()
     if reason:

@@ -28,10 +28,12 @@ import time
 
 import pytest
 from mounting import aiturbo
-from s3server import S3Server, s3_server  # noqa: F401  (s3_server is a fixture)
+from s3server import S3Server
 from torture import allows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+pytestmark = pytest.mark.slow  # ten minutes in all on a 2-core host: over a minute per case of random operations
 
 WORKERS = 4
 OPS = 60
