@@ -139,17 +139,18 @@ def targets_under(paths: list[str]) -> list[Target]:
             continue
         if not os.path.isdir(top):
             raise FileNotFoundError(errno.ENOENT, "no such file or directory", top)
-        for root, _, names in os.walk(top):
-            if _has_state(root):
-                out.append(_target(root, os.stat(root), True))  # its backend form, symlinks, special files
+        # By directory descriptor: a path below the mount may be longer than PATH_MAX (a local
+        # filesystem holds such trees, and so does the mount); only the label grows.
+        for root, _, names, root_fd in os.fwalk(top):
+            if _has_state(root_fd):
+                out.append(_target(root, os.fstat(root_fd), True))  # its backend form, symlinks, special files
             for name in names:
-                path = os.path.join(root, name)
                 try:
-                    st = os.lstat(path)
+                    st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
                 except FileNotFoundError:
                     continue  # removed since it was listed
                 if stat.S_ISREG(st.st_mode):
-                    out.append(_target(path, st, False))
+                    out.append(_target(os.path.join(root, name), st, False))
     return out
 
 
@@ -157,9 +158,9 @@ def _target(path: str, st: os.stat_result, is_dir: bool) -> Target:
     return Target(path, 0 if is_dir else st.st_size, st.st_dev, st.st_ino, is_dir)
 
 
-def _has_state(directory: str) -> bool:
-    """Does ``directory`` have a durability state (a directory the backend keeps, or one holding symlinks
-    or special files it keeps)?"""
+def _has_state(directory: str | int) -> bool:
+    """Does ``directory`` (a path or a descriptor) have a durability state (a directory the backend keeps,
+    or one holding symlinks or special files it keeps)?"""
     try:
         _xattr_state(directory)
     except OSError as exc:
@@ -169,7 +170,7 @@ def _has_state(directory: str) -> bool:
     return True
 
 
-def _xattr_state(path: str) -> str:
+def _xattr_state(path: str | int) -> str:
     return os.getxattr(path, STATE_XATTR).decode()
 
 
