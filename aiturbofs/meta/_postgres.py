@@ -1,9 +1,10 @@
 """The PostgreSQL metadata engine: one database shared by the daemons of a cluster.
 
 This module owns the psycopg connections of one store, the transaction
-boundaries and their retries; all SQL lives in ``_sql``.  A store's
-connections are a ``psycopg_pool.ConnectionPool`` of at most
-``META_PG_CONNECTIONS``, each used by one worker thread at a time (the
+boundaries and their retries; all SQL lives in ``_sql`` and the modules of
+its transaction bodies (``_sql_*``).  A store's connections are a
+``psycopg_pool.ConnectionPool`` of at most ``META_PG_CONNECTIONS``, each
+used by one worker thread at a time (the
 capacity limiter lets no more threads in than the pool holds, so a call
 never waits for another's connection): with a cluster's round trips, one
 connection would hold every FUSE request of a node behind the one in
@@ -12,7 +13,7 @@ own thread, when calls need them.  The server's ``max_connections`` must
 allow that many per daemon.
 
 Isolation: every public method is ONE transaction at SERIALIZABLE.  The
-bodies in ``_sql`` check, then change ("is the name free? insert it"); when
+bodies (``_sql_*``) check, then change ("is the name free? insert it"); when
 two daemons do that at once, PostgreSQL aborts one of them with a
 serialization failure (SQLSTATE 40001) or a deadlock (40P01), or the unique
 index on ``(parent, name)`` rejects the second insert (23505).  Such a

@@ -1,10 +1,11 @@
 """The SQLite metadata engine: one file, one writer connection, a few readers.
 
 This module owns the sqlite3 connections and their transaction boundaries;
-all SQL lives in ``_sql``.  A connection is never used by two threads at
-once: writes go through the one writer connection (a capacity limiter of
-1), reads through up to ``META_SQLITE_READERS`` reader connections, each
-taken by one worker thread at a time.  In WAL mode readers never wait for the
+all SQL lives in ``_sql`` and the modules of its transaction bodies
+(``_sql_*``).  A connection is never used by two threads at once: writes go
+through the one writer connection (a capacity limiter of 1), reads through
+up to ``META_SQLITE_READERS`` reader connections, each taken by one worker
+thread at a time.  In WAL mode readers never wait for the
 writer and see every transaction committed before they begin, so a FUSE
 lookup does not queue behind the persister's commits.
 
