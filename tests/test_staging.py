@@ -90,7 +90,7 @@ async def test_writer_waits_for_persist_without_spill_option(tmp_path):
             await trio.sleep(0.5)
             assert not got, "the writer must wait while every byte is dirty"
             pool.unpin(a)  # "persisted": a becomes clean and evictable
-            pool._notify_freed()
+            pool._budget.notify_freed()
         assert got and len(got[0]) == CHUNK_BYTES
 
     await main()
@@ -671,13 +671,13 @@ async def test_a_chunk_dropped_while_it_is_spilled_leaves_the_pool_whole(tmp_pat
 
         spill.write = slow_write  # type: ignore[method-assign]
         async with trio.open_nursery() as n:
-            n.start_soon(pool._spill_entry, rng.entry)
+            n.start_soon(pool._budget.spill_entry, rng.entry)
             await writing.wait()
             pool.unreserve(pool.disown_range(rng))  # the kernel wrote the range
             pool.unpin(key)  # its slot let go: the entry leaves the pool
             again = await _sealed(pool, 9)  # and the same chunk arrives again, in a buffer
             assert again == key
-            n.start_soon(pool._spill_entry, pool._entries[key])  # which spills it too
+            n.start_soon(pool._budget.spill_entry, pool._entries[key])  # which spills it too
             go_on.set()
         assert pool.pinned(key) and bytes(pool.view(key)) == data
         assert key in spill and await spill.read(key) == data  # the newer entry's spill copy stays

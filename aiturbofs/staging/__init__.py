@@ -6,7 +6,7 @@ from ._backing import Range as Range
 from ._backing import content_key_of as content_key_of
 from ._backing import is_hole as is_hole
 from ._backing import punch_hole as punch_hole
-from ._pool import Entry as Entry
+from ._entry import Entry as Entry
 from ._pool import Pins as Pins
 from ._pool import PoolStats as PoolStats
 from ._pool import StagingPool as StagingPool

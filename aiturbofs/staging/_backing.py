@@ -156,7 +156,7 @@ class Range:
     def __init__(self, file: "BackingFile", index: int):
         self.file = file
         self.index = index
-        # The pool entry whose bytes are here (staging._pool.Entry), or None:
+        # The pool entry whose bytes are here (staging._entry.Entry), or None:
         # then the range belongs to its file's open slot, or holds nothing.
         self.entry: Any = None
         # Its file's open slot writes here: the pool must not cache a chunk
