@@ -4,7 +4,8 @@ Inodes are queued as they are committed, renamed, linked or removed; up
 to PERSIST_FILES_IN_FLIGHT jobs run at once (plus spares while jobs only
 wait for another file's durable copy), an inode enqueued while its job
 runs runs once more after it, and each job is the reconciler's
-(``_reconcile``), which sends versions with the upload jobs (``_upload``).
+(``_reconcile``, with its key bookkeeping in ``_claims`` and its deletes
+in ``_remove``), which sends versions with the upload jobs (``_upload``).
 
 The queue owns the retry policy: transient backend errors are retried with
 capped, jittered exponential backoff for the retry window (a file becoming
@@ -117,7 +118,7 @@ class Persister:
         return self.reconciler.attrs_pending(row)
 
     async def claimed_keys(self, since: float) -> set[str]:
-        """Backend keys the importer must not bring back as new names (see ``Reconciler.claimed_keys``)."""
+        """Backend keys the importer must not bring back as new names (see ``KeyClaims.claimed_keys``)."""
         return await self.reconciler.claimed_keys(since) | set(self._dirs_to_clean)
 
     def file_got_through(self) -> None:
@@ -131,7 +132,7 @@ class Persister:
     def enqueue(self, ino: int, *, moved: bool = False) -> None:
         """Reconcile ``ino`` soon.  ``moved``: its names changed (rename, link,
         unlink), so its backend objects may sit at names it no longer has
-        until this job moves or deletes them (see ``_holder``)."""
+        until this job moves or deletes them (see ``KeyClaims.holder``)."""
         if moved:
             self.reconciler.note_moved(ino)
         if ino in self.running:
@@ -148,7 +149,7 @@ class Persister:
         ``old_path``: the directory's backend path before the rename.  Its
         backend directories are then removed where empty, deepest first (the
         ones still holding files go when the last file has moved out, see
-        ``_prune_dirs``); an empty one left behind showed up again at import.
+        ``Removals._prune_dirs``); an empty one left behind showed up again at import.
 
         The directory's pending move in the metadata (``meta.moves``) is
         let go once every file below it has one of its own: a restart

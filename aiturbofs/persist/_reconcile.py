@@ -4,7 +4,8 @@ A job compares what the metadata engine says (current paths, committed
 version, state) with what the backend holds (``backend_keys`` at
 ``persisted_version``) and does what is missing: upload the committed
 version (``Uploads.send``, then publish it with the inode's attributes),
-move or copy after renames and hard links, delete after unlink, write a
+move or copy after renames and hard links, delete after unlink (its
+``Removals``, ``_remove``), write a
 node's form, give the objects new attributes after a chmod, chown or utime
 (where the backend keeps them: ``_push_attrs``, no data moves); then loops
 until nothing changed meanwhile.  That is why renaming or deleting a file while it
@@ -14,9 +15,13 @@ Objects are published, moved, deleted and their keys recorded under
 ``ns_lock`` (uploads send their data without it), so every inode's
 ``backend_keys`` match the backend whenever another job looks; operations
 on one backend key are serialised by a per-key lock, and a key is only
-deleted if no live inode's path names it.  A file whose name another file's
-object still occupies waits for it (``_defer``), moving its own objects at
-others' names aside first, so swaps and cycles of renames resolve.
+deleted if no live inode's path names it (who has a claim on a key: its
+``KeyClaims``, ``_claims``).  A file whose name another file's object
+still occupies waits for it (``_defer``), moving its own objects at
+others' names aside first (``Removals.give_way``), so swaps and cycles of
+renames resolve.  The reconciler owns ``ns_lock`` and hands it to its
+``Removals``; each module says which of its methods take it and which
+expect it held.
 
 A backend directory's mtime moves whenever the persister changes an entry
 of it: the directory is then queued to get its attributes again
@@ -28,26 +33,23 @@ the persister's schedule.
 import errno
 import functools
 import logging
-import secrets
 import stat
 import time
-from contextlib import asynccontextmanager
 
 import trio
 
-from .._errors import AiturboError, BackendError, IntegrityError, NotFound, TransientBackendError
+from .._errors import AiturboError, BackendError, IntegrityError, TransientBackendError
 from .._limits import PERSIST_BACKOFF_MAX_S
-from ..backend import ASIDE_PREFIX, NodeAttrs, ObjectInfo
-from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED
+from ..backend import NodeAttrs, ObjectInfo
+from ..meta import STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED
+from ._claims import KeyClaims, parent_key
 from ._host import PersistHost, PersistStats, is_mine
+from ._remove import Removals
 from ._upload import Uploads
 from ._verify import holds_version
 
 log = logging.getLogger("aiturbofs.persist")
 
-# How long a backend key removed or moved away is remembered, so that an
-# import whose listing started before the removal does not bring it back.
-VACATED_KEEP_S = 600.0
 # A file whose backend name another file still has to move away from waits
 # this long before it tries again (see ``_defer``).
 DEFER_RETRY_S = 0.1
@@ -58,17 +60,13 @@ DEFER_RETRY_S = 0.1
 _CONFLICT_ERRNOS = frozenset({errno.EISDIR, errno.ENOTEMPTY, errno.ENOTDIR, errno.EEXIST})
 
 
-def _parent(key: str) -> str:
-    """The backend directory ``key`` is in ('' for the root)."""
-    return key.rpartition("/")[0]
-
-
 class _Deferred(Exception):
     """Another file must move its object away from our name first."""
 
 
 class Reconciler:
-    """Per-inode reconcile jobs and the namespace bookkeeping they share (see module doc)."""
+    """Per-inode reconcile jobs (see module doc); the bookkeeping they share is its ``claims``, and its
+    ``removals`` delete, move aside and clean up."""
 
     def __init__(self, host: PersistHost, stats: PersistStats, uploads: Uploads, queue):
         self.host = host
@@ -80,15 +78,13 @@ class Reconciler:
         self._queue = queue  # the Persister: enqueue, running, and the backend-answers signal
         # Held while backend objects are published, moved, deleted and their
         # keys recorded: every inode's backend_keys then match the backend
-        # whenever another job looks (see _holder).  Uploads send their data
+        # whenever another job looks (see KeyClaims.holder).  Uploads send their data
         # without it and take it only to publish.
         self.ns_lock = trio.Lock()
-        self.key_locks: dict[str, list] = {}
-        self._vacated: dict[str, float] = {}  # backend key/dir -> monotonic time it went away
-        # Queued inodes whose names changed (see note_moved) -> (live, backend_keys)
-        # as last read, or a fresh ``object()`` until read; only the inode's
-        # own job changes its keys, and a job start or a new enqueue forgets them.
-        self.moved: dict[int, object] = {}
+        # The per-key locks, what moved (note_moved) and what went lately.
+        self.claims = KeyClaims(self.meta, host, lambda ino: ino in queue.running)
+        self.moved = self.claims.moved  # (the same dict: the queue asks it)
+        self.removals = Removals(self.backend, self.meta, host, uploads, self.claims, self.ns_lock, self._dir_changed)
         self.defers: dict[int, int] = {}  # inode -> deferrals in a row (see _defer)
         self.trying: dict[int, int] = {}  # inode -> the version its running job uploads
         # Inodes whose running job is giving their objects new attributes: a
@@ -99,7 +95,7 @@ class Reconciler:
         self.dirs_changed: set[int] = set()
 
     def note_moved(self, ino: int) -> None:
-        """``ino``'s names changed: its objects may sit at names it no longer has (see ``_holder``)."""
+        """``ino``'s names changed: its objects may sit at names it no longer has (see ``KeyClaims.holder``)."""
         self.moved[ino] = object()
 
     def job_started(self, ino: int) -> None:
@@ -127,15 +123,12 @@ class Reconciler:
         return ino in self.pushing_attrs
 
     async def clean_dir(self, path: str) -> None:
-        """Remove the backend directory of a removed directory (does nothing unless empty)."""
-        try:
-            async with self.ns_lock:
-                if not await self._is_dir_of_namespace(path):  # made again meanwhile: it is that one's now
-                    await self.backend.remove_dir(path)
-                    self._note_vacated(path)
-                    await self._dir_changed(_parent(path))
-        except BackendError as exc:
-            log.info("backend directory %s not removed: %s", path, exc)
+        """Remove the backend directory of a removed directory (``Removals.clean_dir``)."""
+        await self.removals.clean_dir(path)
+
+    async def claimed_keys(self, since: float) -> set[str]:
+        """Backend keys the importer must not bring back as new names (``KeyClaims.claimed_keys``)."""
+        return await self.claims.claimed_keys(since)
 
     async def reconcile(self, ino: int) -> None:
         """One job's work: loop until the backend matches the namespace for ``ino``."""
@@ -144,7 +137,7 @@ class Reconciler:
             row = await self.meta.get_inode(ino)
             paths = await self.meta.paths_of(ino) if row.nlink > 0 else []
             if not paths:
-                await self._delete_all(row)
+                await self.removals.delete_all(row)
                 return
             if row.state is None:
                 return  # a node the backend does not keep: nothing there
@@ -215,9 +208,9 @@ class Reconciler:
                     continue
                 # A directory shares its name with the objects below it: only
                 # an object at its key or above it is in its way.
-                placed = await self._free_for(dst, ino, below=not is_dir)
+                placed = await self.claims.free_for(dst, ino, below=not is_dir)
                 if placed:
-                    async with self._key_lock(dst):
+                    async with self.claims.key_lock(dst):
                         placed = await self._place(self.backend.write_node, dst, dst, node)
                 if not placed:
                     # Where our forms are so far: the stale ones go once we may write.
@@ -227,9 +220,9 @@ class Reconciler:
             for stale in row.backend_keys:
                 if stale not in done:
                     if is_dir:
-                        await self._remove_dir_key(stale)
+                        await self.removals.remove_dir_key(stale)
                     else:
-                        await self._delete_key(stale, ino)
+                        await self.removals.delete_key(stale, ino)
             await self._dirs_changed(done)
             await self.meta.set_state(ino, STATE_DURABLE, if_version=row.version, backend_keys=done,
                                       persisted_version=row.version, persisted_attrs=row.attrs(), sync=False)
@@ -250,7 +243,7 @@ class Reconciler:
             if not await self.meta.set_state(row.ino, STATE_PERSISTING, if_version=row.version, sync=False):
                 return True
             self.host.notify_state(row.ino)
-        if await self._held(paths, row.ino):
+        if await self.claims.held(paths, row.ino):
             return False  # before sending any data
         target = paths[0]
         try:
@@ -265,7 +258,7 @@ class Reconciler:
                 # The names may have changed while the data went out: publish
                 # only where no other file lives or still keeps its object; a
                 # target that is no longer ours is then moved like any rename.
-                if not await self._free_for(target, row.ino):
+                if not await self.claims.free_for(target, row.ino):
                     raise _Deferred
                 published: list[ObjectInfo] = []
                 await self.uploads.forget_sources(target)  # the object there is replaced
@@ -273,19 +266,19 @@ class Reconciler:
                 # out included); a later change is pushed by the next loop.
                 attrs = (await self.meta.get_inode(row.ino)).attrs()
                 node = NodeAttrs(*attrs)
-                async with self._key_lock(target):
+                async with self.claims.key_lock(target):
                     if not await self._place(lambda: self._complete(upload, row.size, node, published), target):
                         raise _Deferred
                 info = published[0]
                 done = [target]
                 for extra in await self.meta.paths_of(row.ino):
-                    if extra not in done and await self._free_for(extra, row.ino):
-                        async with self._key_lock(extra):
+                    if extra not in done and await self.claims.free_for(extra, row.ino):
+                        async with self.claims.key_lock(extra):
                             if await self._place(functools.partial(self.backend.copy, attrs=node), extra, target, extra):
                                 done.append(extra)
                 for stale in row.backend_keys:
                     if stale not in done:
-                        await self._delete_key(stale, row.ino)
+                        await self.removals.delete_key(stale, row.ino)
                 await self._dirs_changed(done)
                 # Synced below, once the lock is free: files in flight share
                 # one fsync instead of taking turns at it under ns_lock.
@@ -344,14 +337,14 @@ class Reconciler:
             ):
                 return True  # changed meanwhile (e.g. a new version to upload): the reconcile loop looks again
             src = row.backend_keys[0]
-            if await self._held([dst for dst in paths if dst not in row.backend_keys], row.ino):
+            if await self.claims.held([dst for dst in paths if dst not in row.backend_keys], row.ino):
                 return False
             keep = [k for k in row.backend_keys if k in paths]
             current = list(row.backend_keys)  # where our objects are, as we go
             for dst in paths:
                 if dst in row.backend_keys:
                     continue
-                async with self._key_lock(dst):
+                async with self.claims.key_lock(dst):
                     if keep:
                         copy = functools.partial(self.backend.copy, attrs=NodeAttrs(*row.persisted_attrs)
                                                  if row.persisted_attrs is not None else None)
@@ -370,7 +363,7 @@ class Reconciler:
                     return False
             for stale in row.backend_keys:
                 if stale not in paths:
-                    await self._delete_key(stale, row.ino)
+                    await self.removals.delete_key(stale, row.ino)
             # Recorded whatever the version: the objects did move.  (Only under
             # if_version, a commit racing with the move left backend_keys naming
             # a key that no longer exists, and the next upload could not fetch
@@ -409,136 +402,12 @@ class Reconciler:
         tmp->b, or RENAME_EXCHANGE) each holds the other's target, and one
         of them has to give way.
         """
-        async with self.ns_lock:
-            keys = list((await self.meta.get_inode(row.ino)).backend_keys)
-            paths = await self.meta.paths_of(row.ino)
-            replaced = []
-            for i, key in enumerate(keys):
-                if key in paths:
-                    continue
-                owner = await self._lookup_path(key)
-                if owner is None or owner.state is None:
-                    continue
-                if key in owner.backend_keys:
-                    # Its own object is there now: ours was replaced while
-                    # nothing needed it (we were unlinked meanwhile; this job
-                    # decided to wait before that).  Moving it aside would
-                    # take that file's only copy.
-                    replaced.append(key)
-                    continue
-                if await self._holder(key, row.ino) is not None:
-                    continue
-                if stat.S_ISDIR(row.mode):
-                    continue  # a directory's old form holds other files' objects: it goes once they moved
-                aside = await self._move_aside(row.ino, keys, i)
-                log.info("moved %s aside to %s: another file takes that name first", key, aside)
-            if replaced:
-                keys = [k for k in keys if k not in replaced]
-                await self.meta.set_attrs(row.ino, backend_keys=keys)
+        await self.removals.give_way(row.ino, row.mode)
         waits = self.defers[row.ino] = self.defers.get(row.ino, 0) + 1
         if waits % 50 == 0:
             log.warning("inode %d has waited %d times for other files to move out of its backend names", row.ino, waits)
         await trio.sleep(min(DEFER_RETRY_S * (1 << min(waits // 20, 6)), PERSIST_BACKOFF_MAX_S))
         self._queue.enqueue(row.ino)  # runs again after this job ends
-
-    async def _move_aside(self, ino: int, keys: list[str], i: int) -> str:
-        """Move ``ino``'s object at ``keys[i]`` to a hidden key beside it and record it there.  With ``ns_lock``."""
-        key = keys[i]
-        head, _, _ = key.rpartition("/")
-        aside = f"{head}/" if head else ""
-        aside += f"{ASIDE_PREFIX}{secrets.token_hex(8)}"
-        # Both names stay locked until the keys are recorded: an import
-        # listing meanwhile must not take the hidden name for a new file.
-        async with self._key_lock(key), self._key_lock(aside):
-            await self.uploads.forget_sources(key)
-            await self.backend.move(key, aside)
-            keys[i] = aside
-            await self.meta.set_attrs(ino, backend_keys=keys)
-        await self._dir_changed(head)
-        return aside
-
-    async def _keep_aside(self, ino: int) -> None:
-        """An unlinked file still open: its objects leave its old names (another file may take them) but stay,
-        at hidden keys, for the reads of its open descriptors.  The last close queues it again to delete them.
-        With ``ns_lock``."""
-        keys = list((await self.meta.get_inode(ino)).backend_keys)
-        for i, key in enumerate(list(keys)):
-            if key.rpartition("/")[2].startswith(ASIDE_PREFIX):
-                continue
-            owner = await self._lookup_path(key)
-            if owner is not None and owner.state is not None and key in owner.backend_keys:
-                keys[i] = ""  # another file's object is there now: ours was replaced before we could move it
-                continue
-            await self._move_aside(ino, keys, i)
-        if "" in keys:
-            await self.meta.set_attrs(ino, backend_keys=[k for k in keys if k])
-
-    async def _delete_all(self, row) -> None:
-        async with self.ns_lock:
-            if self.host.is_open(row.ino) and stat.S_ISREG(row.mode):
-                await self._keep_aside(row.ino)
-                return
-            for key in row.backend_keys:
-                await self._delete_key(key, row.ino)
-            if not self.host.is_cached(row.ino):
-                await self.meta.delete_inode(row.ino)
-            else:
-                await self.meta.set_state(row.ino, row.state, backend_keys=[])
-
-    async def _delete_key(self, key: str, ino: int) -> None:
-        """Delete ``ino``'s stale object at ``key`` unless it is another file's now.
-
-        Called with ``ns_lock`` held.
-        """
-        async with self._key_lock(key):
-            owner = await self._lookup_path(key)
-            if owner is not None and owner.state is not None and key in owner.backend_keys:
-                return  # the file that has this name now put its own object there
-            if await self._holder(key, ino) is not None:
-                return  # another file's object, about to be moved from here (renamed again)
-            # Otherwise the object is stale even if a file has the name now: that
-            # file has not written it yet (it does so under this lock, later),
-            # and it may be renamed away first, which left the object orphaned
-            # for an import to bring back as a deleted file.
-            await self.uploads.forget_sources(key)
-            await self.backend.delete(key)
-            self._note_vacated(key)
-        await self._prune_dirs(key)
-
-    async def _remove_dir_key(self, key: str) -> None:
-        """A directory moved away from ``key``: its backend directory (marker)
-        goes where empty, and so do the emptied ones above it.  With ``ns_lock``."""
-        if await self._is_dir_of_namespace(key):
-            return  # another directory has that name now
-        try:
-            await self.backend.remove_dir(key)  # does nothing unless empty: files still moving out
-        except BackendError as exc:
-            log.info("backend directory %s not removed: %s", key, exc)
-            return
-        self._note_vacated(key)
-        await self._prune_dirs(key)
-
-    async def _prune_dirs(self, key: str) -> None:
-        """Remove the backend directories above ``key`` that the namespace no
-        longer has, deepest first, where they are now empty.
-
-        They are the old names of renamed or removed directories: the
-        directory's own rmdir cleanup may have run before its files were
-        moved or deleted, and an import would show them again as ghosts.
-        """
-        parent = key.rpartition("/")[0]
-        while parent:
-            row = await self._lookup_path(parent)
-            if row is not None and stat.S_ISDIR(row.mode):
-                await self._dir_changed(parent, row)  # it lost an entry
-                return  # still a directory of the namespace (and so are its ancestors)
-            try:
-                await self.backend.remove_dir(parent)  # does nothing unless empty
-            except BackendError as exc:
-                log.info("backend directory %s not removed: %s", parent, exc)
-                return
-            self._note_vacated(parent)
-            parent = parent.rpartition("/")[0]
 
     async def _push_attrs(self, ino: int) -> None:
         """Give ``ino``'s objects its current mode, owner and mtime, without moving its data."""
@@ -560,7 +429,7 @@ class Reconciler:
         fields: dict = {"persisted_attrs": attrs}
         for key in row.backend_keys:
             try:
-                async with self._key_lock(key):
+                async with self.claims.key_lock(key):
                     info = await self.backend.set_attrs(key, NodeAttrs(*attrs))
             except TransientBackendError:
                 raise
@@ -581,7 +450,7 @@ class Reconciler:
 
     async def _dirs_changed(self, keys: list[str]) -> None:
         """``_dir_changed`` of the directories ``keys`` are in.  With ``ns_lock``."""
-        for parent in dict.fromkeys(_parent(key) for key in keys):
+        for parent in dict.fromkeys(parent_key(key) for key in keys):
             await self._dir_changed(parent)
 
     async def _dir_changed(self, key: str, row=None) -> None:
@@ -596,60 +465,11 @@ class Reconciler:
         if not self.backend.keeps_attrs or not key:
             return
         if row is None:
-            row = await self._lookup_path(key)
+            row = await self.claims.lookup_path(key)
         if row is None or not stat.S_ISDIR(row.mode) or row.state != STATE_DURABLE:
             return
         self.dirs_changed.add(row.ino)
         self._queue.dir_changed(row.ino)
-
-    def _note_vacated(self, key: str) -> None:
-        now = time.monotonic()
-        self._vacated.pop(key, None)
-        self._vacated[key] = now  # insertion order is time order: old ones go from the front
-        while self._vacated:
-            oldest, when = next(iter(self._vacated.items()))
-            if when >= now - VACATED_KEEP_S:
-                break
-            del self._vacated[oldest]
-
-    async def _is_dir_of_namespace(self, key: str) -> bool:
-        row = await self._lookup_path(key)
-        return row is not None and stat.S_ISDIR(row.mode)
-
-    async def _holder(self, key: str, ino: int, *, below: bool = True) -> int | None:
-        """Another inode whose persisted object is still at ``key`` although
-        its name is elsewhere now (a chain of renames, RENAME_EXCHANGE): it
-        has yet to move that object away, so writing ``key`` would destroy
-        its only backend copy.  Such an inode is always queued here, as moved.
-        ``below=False``: objects below ``key`` are no obstacle (a directory's
-        own form shares its name with them)."""
-        above = set()
-        parent = key.rpartition("/")[0]
-        while parent:
-            above.add(parent)
-            parent = parent.rpartition("/")[0]
-        for other in list(self.moved):
-            if other == ino:
-                continue
-            holds, keys = await self._moved_keys(other)
-            # also objects below ``key`` (a backend directory still in use
-            # there) or at a directory above it (a file where one is needed)
-            if holds and any(k == key or (below and k.startswith(key + "/")) or k in above for k in keys):
-                return other
-        return None
-
-    async def _free_for(self, key: str, ino: int, *, below: bool = True) -> bool:
-        """With ``ns_lock`` held: may ``ino`` write its object at ``key``?  (``below``: see _holder)"""
-        owner = await self._lookup_path(key)
-        if owner is not None and owner.ino != ino:
-            return False  # another file or a directory has that name now
-        return await self._holder(key, ino, below=below) is None
-
-    async def _held(self, keys: list[str], ino: int) -> bool:
-        for key in keys:
-            if await self._holder(key, ino) is not None:
-                return True
-        return False
 
     async def _place(self, op, key: str, *args) -> bool:
         """Run ``op(*args)`` that writes ``key`` (publish, move, copy); False if
@@ -670,64 +490,3 @@ class Reconciler:
                         return False
         return False
 
-    async def _moved_keys(self, ino: int) -> tuple[bool, list[str]]:
-        """(holds its keys: linked, not broken, not a directory; backend keys) of a moved inode, cached.
-
-        A directory's old form is no file's only copy: names below it may be
-        written or deleted, and a file at its very key meets it as a conflict
-        (``_place``).
-        """
-        marker = self.moved.get(ino)
-        if isinstance(marker, tuple):
-            return marker
-        try:
-            row = await self.meta.get_inode(ino)
-            # (an unlinked file still open holds its objects too, until they are moved aside)
-            holds = ((row.nlink > 0 or self.host.is_open(ino)) and row.state != STATE_BROKEN
-                     and not stat.S_ISDIR(row.mode))
-            known = (holds, list(row.backend_keys))
-        except NotFound:
-            known = (False, [])
-        if ino in self.moved and self.moved[ino] is marker and ino not in self._queue.running:
-            self.moved[ino] = known  # not while its job runs: it may change them
-        return known
-
-    async def claimed_keys(self, since: float) -> set[str]:
-        """Backend keys the importer must not bring back as new names (directories to clean: the queue's).
-
-        These are the keys of inodes queued here after a name change (the
-        object is about to be moved or deleted: unlinked, renamed), of unlinked inodes
-        still open or known to the kernel, keys being worked on, and keys
-        removed at or after ``since`` (a ``time.monotonic()``: when the
-        importer's listing started, so the listing may still show them).
-        """
-        keys = set(self.key_locks)
-        keys.update(key for key, when in self._vacated.items() if when >= since)
-        keys |= self.host.unlinked_keys()
-        for ino in list(self.moved):
-            keys.update((await self._moved_keys(ino))[1])
-        return keys
-
-    async def _lookup_path(self, key: str):
-        """The row the namespace has at backend path ``key``, or None."""
-        ino = ROOT_INO
-        try:
-            for name in key.split("/"):
-                ino = (await self.meta.lookup(ino, name.encode("utf-8", "surrogateescape"))).ino
-            return await self.meta.get_inode(ino)
-        except NotFound:
-            return None
-
-    @asynccontextmanager
-    async def _key_lock(self, key: str):
-        entry = self.key_locks.get(key)
-        if entry is None:
-            entry = self.key_locks[key] = [trio.Lock(), 0]
-        entry[1] += 1
-        try:
-            async with entry[0]:
-                yield
-        finally:
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self.key_locks[key]

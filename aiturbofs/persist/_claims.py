@@ -1,0 +1,169 @@
+"""Who has a claim on a backend key: the bookkeeping every reconcile job shares.
+
+A backend key may be the name of a file or directory of the namespace
+(``lookup_path``), still hold the object of an inode renamed or unlinked
+since, whose job has yet to move or delete it (``holder``: such inodes are
+in ``moved``), be worked on right now (``key_lock``: operations on one key
+are serialised), or have been removed or moved away lately (``note_vacated``).
+Writing a key another inode holds would destroy that inode's only backend
+copy (``free_for``); the importer must not bring any claimed key back as a
+new name (``claimed_keys``).
+
+``KeyClaims`` takes no lock of its own beyond the per-key locks, and none
+of its methods takes the reconciler's ``ns_lock``.  ``free_for`` expects it
+held, and so do its callers' uses of ``holder``, ``lookup_path``,
+``is_dir_of_namespace``, ``note_vacated`` and ``key_lock`` (the publish,
+move, delete, defer and attribute paths), so what they find still holds
+when they write; the importer holds it around ``claimed_keys``.  Only an
+upload's first look (``held``, before it sends any data) runs without it:
+it looks again with ``free_for`` under the lock to publish.
+``moved_keys`` keeps what it read of a moved inode's keys until that
+inode's job starts or it is enqueued again (not while its job runs: the
+job may change them).
+"""
+
+import stat
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+import trio
+
+from .._errors import NotFound
+from ..meta import ROOT_INO, STATE_BROKEN, MetaStore
+from ._host import PersistHost
+
+# How long a backend key removed or moved away is remembered, so that an
+# import whose listing started before the removal does not bring it back.
+VACATED_KEEP_S = 600.0
+
+
+def parent_key(key: str) -> str:
+    """The backend directory ``key`` is in ('' for the root)."""
+    return key.rpartition("/")[0]
+
+
+class KeyClaims:
+    """Backend keys and who holds, works on or lately vacated them (see module doc)."""
+
+    def __init__(self, meta: MetaStore, host: PersistHost, is_running: Callable[[int], bool]):
+        self.meta = meta
+        self.host = host
+        self._is_running = is_running  # does this inode's reconcile job run now (and may change its keys)?
+        self.key_locks: dict[str, list] = {}
+        self._vacated: dict[str, float] = {}  # backend key/dir -> monotonic time it went away
+        # Queued inodes whose names changed (see Reconciler.note_moved) -> (live, backend_keys)
+        # as last read, or a fresh ``object()`` until read; only the inode's
+        # own job changes its keys, and a job start or a new enqueue forgets them.
+        self.moved: dict[int, object] = {}
+
+    def note_vacated(self, key: str) -> None:
+        now = time.monotonic()
+        self._vacated.pop(key, None)
+        self._vacated[key] = now  # insertion order is time order: old ones go from the front
+        while self._vacated:
+            oldest, when = next(iter(self._vacated.items()))
+            if when >= now - VACATED_KEEP_S:
+                break
+            del self._vacated[oldest]
+
+    async def is_dir_of_namespace(self, key: str) -> bool:
+        row = await self.lookup_path(key)
+        return row is not None and stat.S_ISDIR(row.mode)
+
+    async def holder(self, key: str, ino: int, *, below: bool = True) -> int | None:
+        """Another inode whose persisted object is still at ``key`` although
+        its name is elsewhere now (a chain of renames, RENAME_EXCHANGE): it
+        has yet to move that object away, so writing ``key`` would destroy
+        its only backend copy.  Such an inode is always queued here, as moved.
+        ``below=False``: objects below ``key`` are no obstacle (a directory's
+        own form shares its name with them)."""
+        above = set()
+        parent = key.rpartition("/")[0]
+        while parent:
+            above.add(parent)
+            parent = parent.rpartition("/")[0]
+        for other in list(self.moved):
+            if other == ino:
+                continue
+            holds, keys = await self.moved_keys(other)
+            # also objects below ``key`` (a backend directory still in use
+            # there) or at a directory above it (a file where one is needed)
+            if holds and any(k == key or (below and k.startswith(key + "/")) or k in above for k in keys):
+                return other
+        return None
+
+    async def free_for(self, key: str, ino: int, *, below: bool = True) -> bool:
+        """With ``ns_lock`` held: may ``ino`` write its object at ``key``?  (``below``: see holder)"""
+        owner = await self.lookup_path(key)
+        if owner is not None and owner.ino != ino:
+            return False  # another file or a directory has that name now
+        return await self.holder(key, ino, below=below) is None
+
+    async def held(self, keys: list[str], ino: int) -> bool:
+        for key in keys:
+            if await self.holder(key, ino) is not None:
+                return True
+        return False
+
+    async def moved_keys(self, ino: int) -> tuple[bool, list[str]]:
+        """(holds its keys: linked, not broken, not a directory; backend keys) of a moved inode, cached.
+
+        A directory's old form is no file's only copy: names below it may be
+        written or deleted, and a file at its very key meets it as a conflict
+        (``_place``).
+        """
+        marker = self.moved.get(ino)
+        if isinstance(marker, tuple):
+            return marker
+        try:
+            row = await self.meta.get_inode(ino)
+            # (an unlinked file still open holds its objects too, until they are moved aside)
+            holds = ((row.nlink > 0 or self.host.is_open(ino)) and row.state != STATE_BROKEN
+                     and not stat.S_ISDIR(row.mode))
+            known = (holds, list(row.backend_keys))
+        except NotFound:
+            known = (False, [])
+        if ino in self.moved and self.moved[ino] is marker and not self._is_running(ino):
+            self.moved[ino] = known  # not while its job runs: it may change them
+        return known
+
+    async def claimed_keys(self, since: float) -> set[str]:
+        """Backend keys the importer must not bring back as new names (directories to clean: the queue's).
+
+        These are the keys of inodes queued here after a name change (the
+        object is about to be moved or deleted: unlinked, renamed), of unlinked inodes
+        still open or known to the kernel, keys being worked on, and keys
+        removed at or after ``since`` (a ``time.monotonic()``: when the
+        importer's listing started, so the listing may still show them).
+        """
+        keys = set(self.key_locks)
+        keys.update(key for key, when in self._vacated.items() if when >= since)
+        keys |= self.host.unlinked_keys()
+        for ino in list(self.moved):
+            keys.update((await self.moved_keys(ino))[1])
+        return keys
+
+    async def lookup_path(self, key: str):
+        """The row the namespace has at backend path ``key``, or None."""
+        ino = ROOT_INO
+        try:
+            for name in key.split("/"):
+                ino = (await self.meta.lookup(ino, name.encode("utf-8", "surrogateescape"))).ino
+            return await self.meta.get_inode(ino)
+        except NotFound:
+            return None
+
+    @asynccontextmanager
+    async def key_lock(self, key: str):
+        entry = self.key_locks.get(key)
+        if entry is None:
+            entry = self.key_locks[key] = [trio.Lock(), 0]
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self.key_locks[key]
