@@ -26,14 +26,15 @@ def control_socket(mountpoint: str) -> str:
     return os.path.join(RUN_ROOT, mount_id(mountpoint) + ".sock")
 
 
-def mount_points(dev: int) -> list[str]:
-    """Where the FUSE filesystem of device ``dev`` (a file's ``st_dev``) is mounted in this mount namespace."""
-    want = f"{os.major(dev)}:{os.minor(dev)}"
+def mount_points(dev: int | None = None) -> list[str]:
+    """Mount points of the FUSE filesystems in this mount namespace; with ``dev`` (a file's ``st_dev``),
+    only where that one is mounted."""
+    want = None if dev is None else f"{os.major(dev)}:{os.minor(dev)}"
     points = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
-            if fields[2] == want and fields[fields.index("-") + 1].startswith("fuse"):
+            if (want is None or fields[2] == want) and fields[fields.index("-") + 1].startswith("fuse"):
                 points.append(fields[4].encode().decode("unicode_escape"))
     return points
 

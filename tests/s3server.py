@@ -46,7 +46,7 @@ class S3Server:
         if self.running:
             return self
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self.port)],
+            self._argv(),
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -59,6 +59,9 @@ class S3Server:
             self.stop()
             raise
         return self
+
+    def _argv(self) -> list[str]:
+        return [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self.port)]
 
     def stop(self) -> None:
         """Kill the server and wait for it; a no-op if it is not running."""
@@ -167,20 +170,9 @@ class OutageS3Server(S3Server):
         super().__init__()
         self.buckets: list[str] = []
 
-    def start(self) -> OutageS3Server:
-        os.environ.update(CREDENTIALS)
-        if self.running:
-            return self
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", _PRELOADED_MOTO, HOST, str(self.port), *self.buckets],
-            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+    def _argv(self) -> list[str]:
+        # its start() brings back the buckets made so far
+        return [sys.executable, "-c", _PRELOADED_MOTO, HOST, str(self.port), *self.buckets]
 
     def freeze(self) -> None:
         """SIGSTOP: an outage that keeps the data (requests hang, then time out)."""

@@ -9,6 +9,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 PKG = pathlib.Path(__file__).resolve().parent.parent / "aiturbofs"
 ROOT = PKG.parent
 
@@ -34,45 +36,31 @@ def _copy_of_the_tree(tmp_path: pathlib.Path) -> pathlib.Path:
     return root
 
 
-def test_an_import_up_the_layers_breaks_a_contract(tmp_path):
+# Each contract can fail: a module planted in a copy of the tree, and what lint-imports must say of it.
+BROKEN = {
+    "an import up the layers": ("meta/_probe.py", "from ..vfs import Filesystem  # noqa: F401\n",
+                                "aiturbofs.meta is not allowed to import aiturbofs.vfs"),
+    "vfs and controller import each other": ("controller/_probe.py", "from .. import vfs  # noqa: F401\n",
+                                             "aiturbofs.controller is not allowed to import aiturbofs.vfs"),
+    "the controller imports the data path": ("controller/_probe.py",
+                                             "from ..staging import StagingPool  # noqa: F401\n",
+                                             "aiturbofs.controller is not allowed to import aiturbofs.staging"),
+    "pyfuse3 below the FUSE edge": ("vfs/_probe.py", "import pyfuse3  # noqa: F401\n",
+                                    "aiturbofs.vfs is not allowed to import pyfuse3"),
+    "a package in no layer": ("newlayer/__init__.py", "", "aiturbofs.newlayer"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_a_planted_violation_breaks_a_contract(case, tmp_path):
+    where, text, said = BROKEN[case]
     root = _copy_of_the_tree(tmp_path)
-    (root / "aiturbofs" / "meta" / "_probe.py").write_text("from ..vfs import Filesystem  # noqa: F401\n")
+    probe = root / "aiturbofs" / where
+    probe.parent.mkdir(exist_ok=True)
+    probe.write_text(text)
     run = _lint_imports(root)
     assert run.returncode != 0
-    assert "aiturbofs.meta is not allowed to import aiturbofs.vfs" in run.stdout, run.stdout
-
-
-def test_vfs_and_controller_never_import_each_other(tmp_path):
-    root = _copy_of_the_tree(tmp_path)
-    (root / "aiturbofs" / "controller" / "_probe.py").write_text("from .. import vfs  # noqa: F401\n")
-    run = _lint_imports(root)
-    assert run.returncode != 0
-    assert "aiturbofs.controller is not allowed to import aiturbofs.vfs" in run.stdout, run.stdout
-
-
-def test_the_controller_importing_the_data_path_breaks_a_contract(tmp_path):
-    root = _copy_of_the_tree(tmp_path)
-    (root / "aiturbofs" / "controller" / "_probe.py").write_text("from ..staging import StagingPool  # noqa: F401\n")
-    run = _lint_imports(root)
-    assert run.returncode != 0
-    assert "aiturbofs.controller is not allowed to import aiturbofs.staging" in run.stdout, run.stdout
-
-
-def test_pyfuse3_below_the_fuse_edge_breaks_a_contract(tmp_path):
-    root = _copy_of_the_tree(tmp_path)
-    (root / "aiturbofs" / "vfs" / "_probe.py").write_text("import pyfuse3  # noqa: F401\n")
-    run = _lint_imports(root)
-    assert run.returncode != 0
-    assert "aiturbofs.vfs is not allowed to import pyfuse3" in run.stdout, run.stdout
-
-
-def test_a_package_in_no_layer_breaks_a_contract(tmp_path):
-    root = _copy_of_the_tree(tmp_path)
-    (root / "aiturbofs" / "newlayer").mkdir()
-    (root / "aiturbofs" / "newlayer" / "__init__.py").write_text("")
-    run = _lint_imports(root)
-    assert run.returncode != 0
-    assert "aiturbofs.newlayer" in run.stdout, run.stdout
+    assert said in run.stdout, run.stdout
 
 
 def test_the_layers_above_the_cluster_talk_to_one_port():

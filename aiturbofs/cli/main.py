@@ -17,6 +17,7 @@ import json
 import os
 import sys
 
+from .._control_client import mount_points
 from .._limits import (
     CHUNK_BYTES,
     CONFIG_PATH_DEFAULT,
@@ -86,7 +87,7 @@ def cmd_verify(args) -> int:
     with ``--repair``, upload the files found wrong again from copies held in the mount."""
     try:
         files = [(path, size) for path, size in _files(args.paths) if not os.path.isdir(path)]
-        points = _fuse_mounts()
+        points = mount_points()
         mounts = {path: _mount_of(path, points) for path, _ in files}
         sockets = {path: _sockets(mount)[0] for path, mount in mounts.items()}
     except OSError as exc:
@@ -177,17 +178,6 @@ def _mount_of(path: str, points: list[str]) -> str:
     if not above:
         raise OSError(errno.EINVAL, "not on an aiturbofs mount", path)
     return max(above, key=len)
-
-
-def _fuse_mounts() -> list[str]:
-    """Mount points of FUSE file systems in this mount namespace."""
-    points = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[fields.index("-") + 1].startswith("fuse"):
-                points.append(fields[4].encode().decode("unicode_escape"))
-    return points
 
 
 def _sockets(mountpoint: str | None) -> list[str]:

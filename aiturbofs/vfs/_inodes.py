@@ -78,9 +78,6 @@ class InodeTable:
     def __contains__(self, ino: int) -> bool:
         return ino in self._inodes
 
-    def __len__(self) -> int:
-        return len(self._inodes)
-
     async def load(self, ino: int) -> Inode:
         """The in-memory inode, loading its row if needed."""
         node = self._inodes.get(ino)
