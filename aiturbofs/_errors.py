@@ -129,7 +129,7 @@ class BackendUnreachable(TransientBackendError):
     """No answer at all: connection refused or reset, or a timeout (a brownout).
 
     Unlike a 5xx, which the backend answers, this marks the backend
-    unavailable (``vfs.BackendHealth``) until it answers again."""
+    unavailable (``store.BackendHealth``) until it answers again."""
 
 
 class BackendUnavailable(AiturboError):

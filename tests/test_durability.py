@@ -561,7 +561,8 @@ async def test_parts_failing_together_are_one_transient_error():
     async def open_upload(key):
         return upload
 
-    fs = SimpleNamespace(meta=None, pool=None, cluster=SingleNode(), backend=SimpleNamespace(open_upload=open_upload))
+    fs = SimpleNamespace(meta=None, pool=None, cluster=SingleNode(), backend=SimpleNamespace(open_upload=open_upload),
+                         store=SimpleNamespace(ns_lock=trio.Lock()))
     row = SimpleNamespace(ino=7, size=parts * CHUNK, manifest=chunk.pack_manifest([chunk.HOLE] * parts), backend_keys=[])
 
     async def main():
@@ -598,7 +599,8 @@ def fake_fs(meta=None):
     return SimpleNamespace(meta=meta, pool=None, cluster=SingleNode(), backend=None, errors=errors,
                            options=SimpleNamespace(persist_retry_window_s=0.0),
                            record_error=lambda msg, event=None: errors.append(msg),
-                           is_open=lambda ino: False)
+                           is_open=lambda ino: False,
+                           store=SimpleNamespace(ns_lock=trio.Lock(), health=SimpleNamespace(mark_up=lambda: None)))
 
 
 async def test_broken_marks_the_version_that_failed_not_a_newer_one():
@@ -708,7 +710,7 @@ async def _attrs_persister(tmp_path, data: bytes, *, durable: bool):
     host.backend, host.notify_state, host.on_persisted = backend, lambda ino: None, on_persisted
     host.is_open = host.is_cached = lambda ino: False
     host.unlinked_keys = set
-    host.health, host.pool = SimpleNamespace(mark_up=lambda: None), SimpleNamespace(accept_waits=lambda: None)
+    host.pool = SimpleNamespace(accept_waits=lambda: None)
     return Persister(host), meta, row.ino
 
 
@@ -800,10 +802,10 @@ async def test_a_read_finds_an_object_moved_to_a_name_it_no_longer_has(tmp_path)
     reader whose chunk is not in DRAM tried the recorded key (a, just moved
     away) and the current names (c, d, not there yet), and failed with EIO
     (the random namespace test, under load).  Objects move and their keys
-    are recorded under the persister's ns_lock: read under it, the recorded
+    are recorded under the store's ns_lock: read under it, the recorded
     keys are where the object is."""
     from aiturbofs.backend import open_backend
-    from aiturbofs.vfs._fetch import ChunkFetcher
+    from aiturbofs.store import ChunkStore
 
     (tmp_path / "backend").mkdir()
     body = os.urandom(5000)
@@ -819,9 +821,9 @@ async def test_a_read_finds_an_object_moved_to_a_name_it_no_longer_has(tmp_path)
 
     async def main():
         backend = await open_backend(f"file://{tmp_path}/backend")
-        ns_lock = trio.Lock()
-        fs = SimpleNamespace(meta=Meta(), backend=backend, cluster=SingleNode(), persister=SimpleNamespace(ns_lock=ns_lock),
-                             health=SimpleNamespace(available=True, mark_up=lambda: None, mark_down=lambda why: None))
+        health = SimpleNamespace(available=True, mark_up=lambda: None, mark_down=lambda why: None)
+        store = ChunkStore(Meta(), backend, None, SingleNode(), health, record_error=print)
+        ns_lock = store.ns_lock
         moved = trio.Event()
 
         async def persister_moves():
@@ -834,7 +836,7 @@ async def test_a_read_finds_an_object_moved_to_a_name_it_no_longer_has(tmp_path)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(persister_moves)
             await moved.wait()
-            data = await ChunkFetcher(fs).chunk(5, 0, chunk.content_key(body), len(body), SimpleNamespace(**vars(row)))
+            data = await store.fetch(5, 0, chunk.content_key(body), len(body), SimpleNamespace(**vars(row)))
         assert data == body
 
     await main()

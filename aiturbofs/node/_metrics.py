@@ -94,7 +94,7 @@ class NodeCollector:
         c = _counter("aiturbo_backend_bytes", "Bytes moved to and from the backend: uploaded (sent), fetched "
                      "(read back), copied (materialised by server-side copy, never sent: dedup)", labels=["direction"])
         c.add_metric(["uploaded"], p.stats.bytes_uploaded)
-        c.add_metric(["fetched"], self.fs.fetcher.bytes_fetched)
+        c.add_metric(["fetched"], self.fs.store.bytes_fetched)
         c.add_metric(["copied"], p.stats.bytes_copied)
         yield c
         yield _counter_value("aiturbo_backend_uploaded_for_peers_bytes",
@@ -107,7 +107,7 @@ class NodeCollector:
         c = _counter("aiturbo_errors", "Errors by kind: backend_retry (transient backend error, retried), "
                      "broken_file (a file marked broken), logged (errors shown by aiturbo status)", labels=["kind"])
         c.add_metric(["backend_retry"], p.stats.retries)
-        c.add_metric(["backend_read_retry"], self.fs.fetcher.read_retries)
+        c.add_metric(["backend_read_retry"], self.fs.store.read_retries)
         c.add_metric(["broken_file"], p.stats.files_broken)
         c.add_metric(["logged"], getattr(self.fs, "errors_total", len(self.fs.errors)))
         yield c

@@ -4,7 +4,7 @@ Order matters: everything that can fail for a user-fixable reason (bad
 backend URL, missing bucket, locked state dir) fails *before* the kernel
 mount, with a message that reaches the ``mount.aiturbo`` caller.  A backend
 that does not answer is not such a reason: the mount comes up after
-BACKEND_CHECK_TIMEOUT_S and persists once it answers (``vfs.BackendHealth``).  After the
+BACKEND_CHECK_TIMEOUT_S and persists once it answers (``store.BackendHealth``).  After the
 mount, SIGTERM/SIGINT or an external unmount end the FUSE loop; the persist
 queue is then drained (bounded by ``drain_timeout``) before the process exits.
 """
@@ -434,10 +434,10 @@ class _Dispatcher:
                      "passthrough": self.passthrough.reason, **self.fuse.counts()},
             "persist": {
                 "queue": p.queue_length(), "queued": queued, "bytes_uploaded": p.stats.bytes_uploaded,
-                "bytes_fetched": self.fs.fetcher.bytes_fetched, "bytes_copied": p.stats.bytes_copied,
+                "bytes_fetched": self.fs.store.bytes_fetched, "bytes_copied": p.stats.bytes_copied,
                 "bytes_uploaded_for_peers": p.stats.bytes_uploaded_for_peers, "files_durable": p.stats.files_durable,
                 "attrs_persisted": p.stats.attrs_persisted,
-                "files_broken": p.stats.files_broken, "retries": p.stats.retries, "read_retries": self.fs.fetcher.read_retries,
+                "files_broken": p.stats.files_broken, "retries": p.stats.retries, "read_retries": self.fs.store.read_retries,
                 "objects_hashed": self.fs.objects.manifests_recorded,
                 "backend_full_s": p.backend_full_s(),
             },

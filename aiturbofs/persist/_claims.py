@@ -10,8 +10,8 @@ copy (``free_for``); the importer must not bring any claimed key back as a
 new name (``claimed_keys``).
 
 ``KeyClaims`` takes no lock of its own beyond the per-key locks, and none
-of its methods takes the reconciler's ``ns_lock``.  ``free_for`` expects it
-held, and so do its callers' uses of ``holder``, ``lookup_path``,
+of its methods takes the store's ``ns_lock`` (the reconciler holds it).
+``free_for`` expects it held, and so do its callers' uses of ``holder``, ``lookup_path``,
 ``is_dir_of_namespace``, ``note_vacated`` and ``key_lock`` (the publish,
 move, delete, defer and attribute paths), so what they find still holds
 when they write; the importer holds it around ``claimed_keys``.  Only an

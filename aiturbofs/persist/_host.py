@@ -9,25 +9,7 @@ from ..backend import Backend
 from ..cluster import ClusterPort
 from ..meta import InodeRow, MetaStore
 from ..staging import BackingArea, BackingFile, StagingPool
-
-
-class ChunkReads(Protocol):
-    """The read side's fetch, for chunks the pool no longer has and for ``verify``."""
-
-    async def previous(self, row: InodeRow, index: int, key: bytes, length: int) -> bytes:
-        """A chunk of ``row``'s version: from a peer's pool or the backend, verified against ``key``."""
-        ...
-
-    async def read_range(self, key: str, offset: int, length: int, *, if_etag: str | None = None) -> bytes:
-        """``Backend.read_range``, with a reader's retries of transient errors."""
-        ...
-
-
-class Health(Protocol):
-    """Whether the backend answers."""
-
-    def mark_up(self) -> None:
-        """A request got through: the backend answers."""
+from ..store import ChunkStore
 
 
 class PersistOptions(Protocol):
@@ -48,14 +30,9 @@ class PersistHost(Protocol):
     pool: StagingPool
     staging: BackingArea
     cluster: ClusterPort
+    store: ChunkStore  # chunks the pool no longer has, ``verify``'s reads, ``ns_lock``, the backend's health
 
-    # read-only: the filesystem's own are wider types than these
-    @property
-    def fetcher(self) -> ChunkReads: ...
-
-    @property
-    def health(self) -> Health: ...
-
+    # read-only: the filesystem's own is a wider type than this
     @property
     def options(self) -> PersistOptions: ...
 

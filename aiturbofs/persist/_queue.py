@@ -92,11 +92,6 @@ class Persister:
         self._spares = 0  # spare uploads running (see _files_wait)
 
     # ------------------------------------------------------------ the VFS's calls
-    @property
-    def ns_lock(self) -> trio.Lock:
-        """Held while backend objects are published, moved or deleted (the importer lists under it)."""
-        return self.reconciler.ns_lock
-
     def set_hints(self, ino: int, version: int, hints: PersistHints | None) -> None:
         self.uploads.set_hints(ino, version, hints)
 
@@ -124,7 +119,7 @@ class Persister:
     def file_got_through(self) -> None:
         """A file became durable: the backend answers, and is not full."""
         self.backend_answered()
-        self.host.health.mark_up()
+        self.host.store.health.mark_up()
         self._full_since = None
         self.pool.accept_waits()
 

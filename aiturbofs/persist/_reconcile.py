@@ -19,8 +19,9 @@ deleted if no live inode's path names it (who has a claim on a key: its
 ``KeyClaims``, ``_claims``).  A file whose name another file's object
 still occupies waits for it (``_defer``), moving its own objects at
 others' names aside first (``Removals.give_way``), so swaps and cycles of
-renames resolve.  The reconciler owns ``ns_lock`` and hands it to its
-``Removals``; each module says which of its methods take it and which
+renames resolve.  ``ns_lock`` is the chunk store's (``store``: its fetch
+and the importer take it too); the reconciler hands it to its
+``Removals``, and each module says which of its methods take it and which
 expect it held.
 
 A backend directory's mtime moves whenever the persister changes an entry
@@ -76,11 +77,11 @@ class Reconciler:
         self.stats = stats
         self.uploads = uploads
         self._queue = queue  # the Persister: enqueue, running, and the backend-answers signal
-        # Held while backend objects are published, moved, deleted and their
-        # keys recorded: every inode's backend_keys then match the backend
-        # whenever another job looks (see KeyClaims.holder).  Uploads send their data
-        # without it and take it only to publish.
-        self.ns_lock = trio.Lock()
+        # The store's: held while backend objects are published, moved,
+        # deleted and their keys recorded, so every inode's backend_keys match
+        # the backend whenever another job looks (see KeyClaims.holder).
+        # Uploads send their data without it and take it only to publish.
+        self.ns_lock = host.store.ns_lock
         # The per-key locks, what moved (note_moved) and what went lately.
         self.claims = KeyClaims(self.meta, host, lambda ino: ino in queue.running)
         self.moved = self.claims.moved  # (the same dict: the queue asks it)

@@ -54,7 +54,7 @@ class Removals:
         self.host = host
         self.uploads = uploads
         self.claims = claims
-        self.ns_lock = ns_lock  # the reconciler's (see module doc: who holds it where)
+        self.ns_lock = ns_lock  # the store's, as the reconciler holds it (see module doc: who holds it where)
         self._dir_changed = dir_changed  # a backend directory lost an entry: its mtime moved
 
     async def clean_dir(self, path: str) -> None:

@@ -11,7 +11,6 @@ file of the round to make such a copy, some are sent by other nodes
 backend has parts are sent in wide parts assembled in a buffer of their own.
 """
 
-import functools
 import itertools
 import logging
 import time
@@ -177,8 +176,7 @@ class Uploads:
                     continue  # zeros already
                 n = chunk.chunk_length(row.size, i)
                 at = (i - first) * CHUNK_BYTES
-                fetch = functools.partial(self.host.fetcher.previous, row, i, key, n)
-                async with self._part_memory(key), self.pool.lease(key, fetch) as view:
+                async with self._part_memory(key), self.host.store.lease_previous(row, i, key, n) as view:
                     buf[at:at + n] = view
             await upload.write_part(index, buf)
             self.stats.bytes_uploaded += len(buf)
@@ -220,8 +218,7 @@ class Uploads:
                     return
                 if await self._remote_part(upload, row, parts, index, key, length):
                     return
-            lease = self.pool.lease(key, lambda: self.host.fetcher.previous(row, index, key, length))
-            async with self._part_memory(key), lease as view:
+            async with self._part_memory(key), self.host.store.lease_previous(row, index, key, length) as view:
                 await upload.write_part(index, view)
             self.stats.bytes_uploaded += length
         finally:
@@ -307,17 +304,11 @@ class Uploads:
         return True
 
     async def upload_for_peer(self, backend_key: str, token: str, index: int, key: bytes, length: int, holders: list[str]) -> str:
-        """Another node's plan gives us part ``index`` of its upload: send it from our pool."""
-        async def fetch() -> bytes:
-            data = await self.host.cluster.fetch(key, holders)
-            if data is None:
-                raise IntegrityError(f"chunk {key.hex()[:16]}… for part {index} of {backend_key} is on no holder")
-            return data
-
+        """Another node's plan gives us part ``index`` of its upload: send it from our pool (else a holder's)."""
         # Bounded here, so that no part write of ours lands after the owner
         # stopped waiting (it waits PEER_UPLOAD_PART_TIMEOUT_S and a margin).
         with trio.move_on_after(PEER_UPLOAD_PART_TIMEOUT_S) as scope:
-            async with self.pool.lease(key, fetch) as view:
+            async with self.host.store.lease_held(key, holders, f"part {index} of {backend_key}") as view:
                 if len(view) != length:
                     raise IntegrityError(f"chunk {key.hex()[:16]}… has {len(view)} bytes, the part needs {length}")
                 receipt = await self.backend.write_remote_part(backend_key, token, index, view)

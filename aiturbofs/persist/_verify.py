@@ -5,7 +5,7 @@ object of the file's size whose every chunk hashes (BLAKE3, as the manifest
 records it) to the manifest's key.  The CLI asks for a file a few chunks at a
 time (``VERIFY_CHUNKS_PER_CALL``), so one request never outlives the control
 socket's timeout and the progress bar moves; the daemon reads through the
-reader's retries (``ChunkFetcher.read_range``).  An object imported from the
+reader's retries (``ChunkStore.read_range``).  An object imported from the
 backend and never read whole has no manifest: its size is checked, its
 chunks cannot be.
 """
@@ -36,7 +36,7 @@ async def holds_version(host: PersistHost, key: str, row) -> ObjectInfo | None:
         return info if row.backend_etag is not None and info.etag == row.backend_etag else None
     keys = chunk.unpack_manifest(row.manifest)
     for index in range(chunk.chunk_count(row.size)):
-        data = await host.fetcher.read_range(key, index * chunk.CHUNK_BYTES, chunk.chunk_length(row.size, index))
+        data = await host.store.read_range(key, index * chunk.CHUNK_BYTES, chunk.chunk_length(row.size, index))
         if index >= len(keys) or await trio.to_thread.run_sync(chunk.content_key, data) != keys[index]:
             return None
     return info
@@ -76,7 +76,7 @@ async def verify_chunks(host: PersistHost, ino: int, first: int, count: int) -> 
         for index in range(first, min(n, first + count)):
             length = chunk.chunk_length(row.size, index)
             try:
-                data = await host.fetcher.read_range(path, index * chunk.CHUNK_BYTES, length)
+                data = await host.store.read_range(path, index * chunk.CHUNK_BYTES, length)
             except BackendError as exc:
                 problems.append({"path": path, "what": f"unreadable: {exc}", "chunks": [index]})
                 break

@@ -8,8 +8,9 @@ opens, closes, attributes and xattrs, and hands the rest down:
 * ``_namespace``: names and attributes (lookup, create, link, rename, readdir);
 * ``_writer``: a file's bytes while written (slots, room, sealing, the commit:
   future 0), with ``_kernel_io`` for the bytes a passthrough writer's kernel wrote;
-* ``_reader``: reads, read-ahead, chunks for the cluster, over the pool and
-  the fetcher (``_fetch``; ``_objects`` for objects imported without a manifest);
+* ``_reader``: reads, read-ahead, chunks for the cluster, over the chunk
+  store (``store``, below the persister; ``_objects`` records the manifests
+  of objects imported without one);
 * ``_durability``: durability states, the persister's news, recovery, repair
   (future 1 is the persister's, below).
 """
@@ -38,11 +39,10 @@ from ..cluster import ClusterPort, SingleNode
 from ..meta import ROOT_INO, STATE_BROKEN, STATE_DURABLE, InodeRow, MetaStore
 from ..persist import Persister
 from ..staging import BackingArea, BackingFile, StagingPool
+from ..store import BackendHealth, ChunkStore
 from . import _xattr
 from ._content import FileContent
 from ._durability import Durability
-from ._fetch import ChunkFetcher
-from ._health import BackendHealth
 from ._importer import Importer
 from ._inodes import Handle, Inode, InodeTable
 from ._kernel_io import absorb, being_written, close_kernel, open_kernel, run_charger, stamp_kernel_mtime
@@ -87,12 +87,13 @@ class Filesystem:
         self._nursery: trio.Nursery | None = None
         self.inodes = InodeTable(meta)
         self.state_waits = self.inodes.state_waits  # the control socket's ``wait`` watches it too
-        self.fetcher = ChunkFetcher(self)
+        self.health = BackendHealth(backend, record_error=self.record_error)
+        self.health.when_up(self._backend_up)
+        self.store = ChunkStore(meta, backend, pool, self.cluster, self.health, record_error=self.record_error)
         self.persister = Persister(self)
         self.importer = Importer(self)
         self.objects = ObjectChunks(self)
-        self.health = BackendHealth(backend, on_up=self._backend_up, record_error=self.record_error)
-        self.reader = Reader(self.inodes, meta, pool, staging, self.cluster, options, self.fetcher, self.objects,
+        self.reader = Reader(self.inodes, meta, self.store, staging, self.cluster, options, self.objects,
                              spawn=self.spawn, record_error=self.record_error)
         self.writer = Writer(self.inodes, meta, pool, staging, self.cluster, self.reader, self.persister,
                              size_max=self.size_max)

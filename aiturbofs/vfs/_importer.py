@@ -6,7 +6,7 @@ the background, at most one per directory: a lookup waits IMPORT_WAIT_S for
 it and then answers from the metadata (stale-while-revalidate), so a backend
 that stops answering never stalls a writer.  A directory never imported
 before waits for its first listing while the backend is available.  While it
-is unavailable (``BackendHealth``) nothing is listed and every lookup answers
+is unavailable (``store.BackendHealth``) nothing is listed and every lookup answers
 from the metadata at once; the root is imported again when it answers, the
 other directories at their next lookup.  New objects become
 ``durable`` files without a manifest (read by range, hashed on first write);
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from ..backend import Backend
     from ..meta import MetaStore
     from ..persist import Persister
-    from ._health import BackendHealth
+    from ..store import BackendHealth, ChunkStore
     from ._inodes import InodeTable
     from ._options import VfsOptions
     from ._writer import Writer
@@ -83,6 +83,7 @@ class ImportHost(Protocol):
     meta: MetaStore
     backend: Backend
     health: BackendHealth
+    store: ChunkStore  # its ``ns_lock``
     options: VfsOptions
     persister: Persister
     inodes: InodeTable
@@ -200,11 +201,11 @@ class Importer:
             if not paths:
                 return
             prefix = paths[0]
-        # The persister publishes, moves and deletes objects only under its
-        # ns_lock: holding it, the listing and every row's backend keys agree,
+        # The persister publishes, moves and deletes objects only under the
+        # store's ns_lock: holding it, the listing and every row's backend keys agree,
         # so an object mid-move is neither taken for an outside change (its
         # file refreshed to another file's bytes) nor for a vanished one.
-        async with self.fs.persister.ns_lock:
+        async with self.fs.store.ns_lock:
             await self._import_locked(dir_row, meta, prefix, started, listed_at)
 
     async def _import_locked(self, dir_row: InodeRow, meta, prefix: str, started: int, listed_at: float) -> None:

@@ -13,7 +13,7 @@ class VfsLocalSide(LocalSide):
         return await self._fs.read_chunk(ino, index, key, length)
 
     def content_key(self, name: bytes) -> bytes | None:
-        return self._fs.objects.content_key(name)
+        return self._fs.store.content_key(name)
 
     async def upload_for_peer(self, backend_key: str, token: str, index: int, key: bytes, length: int, holders: list[str]) -> str:
         return await self._fs.persister.upload_for_peer(backend_key, token, index, key, length, holders)

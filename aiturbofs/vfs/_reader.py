@@ -1,11 +1,12 @@
 """The read path: a file's bytes from its slots, the pool, peers or the backend.
 
-A read walks open slot -> pool (backing files, buffers, spill) -> the
-fetcher (its read round's chain predecessor, the holders' DRAM, the backend,
-verified against the chunk hash), and keeps what it fetched in the reading
-file's backing file.  A sequential reader gets the next chunks fetched ahead
-of it.  Files imported from the backend without a manifest are read by the
-names of their chunks (``_objects``).
+A read walks open slot -> the chunk store (``store``: the pool's backing
+files, buffers and spill, then its read round's chain predecessor, the
+holders' DRAM, the backend, verified against the chunk hash), and keeps
+what it fetched in the reading file's backing file.  A sequential reader
+gets the next chunks fetched ahead of it.  Files imported from the backend
+without a manifest are read by the names of their chunks (``store._named``),
+and what those hash to goes to ``_objects``.
 """
 
 import errno
@@ -19,12 +20,12 @@ from .._errors import AiturboError, BackendUnavailable, BrokenFile, NoDataAfter,
 from .._limits import AUTOGROUP_BYTES_MIN, CHUNK_BITS, CHUNK_BYTES, PREFETCH_TASKS_MAX, READ_AHEAD_CHUNKS
 from ..cluster import ClusterPort, ReadRequest
 from ..meta import STATE_BROKEN, STATE_DURABLE, InodeRow, MetaStore
-from ..staging import BackingArea, Range, StagingPool
+from ..staging import BackingArea, Range
+from ..store import ChunkStore, external_key, external_keys
 from ._content import FileContent, Slot, backing_of
-from ._fetch import ChunkFetcher
 from ._inodes import Handle, Inode, InodeTable
 from ._kernel_io import kernel_attrs
-from ._objects import ObjectChunks, external_key, external_keys
+from ._objects import ObjectChunks
 from ._options import VfsOptions
 
 log = logging.getLogger(__name__)
@@ -33,16 +34,15 @@ log = logging.getLogger(__name__)
 class Reader:
     """Reads of open files, read-ahead, and chunks asked for by the cluster (see module doc)."""
 
-    def __init__(self, table: InodeTable, meta: MetaStore, pool: StagingPool, staging: BackingArea,
-                 cluster: ClusterPort, options: VfsOptions, fetcher: ChunkFetcher, objects: ObjectChunks, *,
+    def __init__(self, table: InodeTable, meta: MetaStore, store: ChunkStore, staging: BackingArea,
+                 cluster: ClusterPort, options: VfsOptions, objects: ObjectChunks, *,
                  spawn: Callable[..., bool], record_error: Callable[[str], None]):
         self._table = table
         self._meta = meta
-        self._pool = pool
+        self._store = store
         self._staging = staging
         self._cluster = cluster
         self._options = options
-        self._fetcher = fetcher
         self._objects = objects
         self._spawn = spawn
         self._record_error = record_error
@@ -89,7 +89,7 @@ class Reader:
             if slot is None or slot.is_open:
                 continue
             key = self.cache_key(node, index, slot)
-            if key in self._prefetching or self._pool.has(key) or len(self._prefetching) >= PREFETCH_TASKS_MAX:
+            if key in self._prefetching or self._store.pool.has(key) or len(self._prefetching) >= PREFETCH_TASKS_MAX:
                 continue
             self._prefetching.add(key)
             if not self._spawn(self._prefetch, node, content, index, slot.key is None, key,
@@ -116,17 +116,16 @@ class Reader:
         into = backing_of(self._staging, ino, content).range(index) if node and content and slot and slot.key == key \
             else None
         row = node.row if node is not None else None
-        data = await self._pool.read(key, lambda: self._fetcher.chunk(ino, index, key, length, row), into=into)
+        data = await self._store.read(ino, index, key, length, row, into=into)
         return bytes(data)
 
     async def _prefetch(self, node: Inode, content: FileContent, index: int, named: bool, key: bytes, length: int) -> None:
         try:
             into = backing_of(self._staging, node.ino, content).range(index) if node.content is content else None
             if named:  # an imported object's chunk (``_objects``)
-                await self._pool.read(key, lambda: self._objects.fetch(node, index, length), into=into, count=0)
+                await self._read_named(node, index, length, into=into, count=0)
             else:
-                await self._pool.read(key, lambda: self._fetcher.chunk(node.ino, index, key, length, node.row),
-                                      into=into, count=0)
+                await self._store.read(node.ino, index, key, length, node.row, into=into, count=0)
         except AiturboError as exc:  # the reader will fetch (and report) it itself
             log.debug("read-ahead of inode %d chunk %d: %s", node.ino, index, exc)
         finally:
@@ -147,13 +146,9 @@ class Reader:
             and content is node.content else None
         if slot.key is None:
             return await self.read_external(node, index, length, into=into, start=start, count=count)
-        key = slot.key
-
-        async def fetch() -> bytes:
-            return await self._fetcher.chunk(node.ino, index, key, length, node.row)
-
         try:
-            return await self._pool.read(key, fetch, into=into, start=start, count=count)
+            return await self._store.read(node.ino, index, slot.key, length, node.row, into=into, start=start,
+                                          count=count)
         except AiturboError as exc:
             why = await self._why_gone(node, content)
             self._record_error(f"read of inode {node.ino} chunk {index} failed: {exc}{why}")
@@ -182,12 +177,19 @@ class Reader:
     async def read_external(self, node: Inode, index: int, length: int, *, into: Range | None = None,
                             start: int = 0, count: int | None = None):
         try:
-            return await self._pool.read(external_key(node.row, index),
-                                         lambda: self._objects.fetch(node, index, length),
-                                         into=into, start=start, count=count)
+            return await self._read_named(node, index, length, into=into, start=start, count=count)
         except TransientBackendError as exc:
             self._record_error(f"read of {node.row.backend_keys[:1]} chunk {index} failed: {exc}")
             raise BackendUnavailable(str(exc)) from exc
+
+    async def _read_named(self, node: Inode, index: int, length: int, *, into: Range | None = None,
+                          start: int = 0, count: int | None = None):
+        """Named chunk ``index`` of an imported object (valid until the next await); a fetch's hash goes to ``_objects``."""
+        row = node.row
+        data, digest = await self._store.read_named(row, index, length, into=into, start=start, count=count)
+        if digest is not None:
+            self._objects.learned(node, row, index, digest)
+        return data
 
     async def hash_external(self, node: Inode, content: FileContent) -> None:
         """Give an imported file a manifest before its first modification."""
@@ -197,7 +199,7 @@ class Reader:
             data = await self.read_external(node, index, length)
             # The read hashed the chunk if it fetched it (``_objects``): no second pass over it.
             # Zeros (a sparse object's holes) stay holes.
-            digest = self._objects.content_key(external_key(node.row, index))
+            digest = self._store.content_key(external_key(node.row, index))
             keys.append(chunk.content_key(data) if digest is None else chunk.entry_of(digest, length))
         for index, key in enumerate(keys):
             content.slots[index] = None if key == chunk.HOLE else Slot(key=key)

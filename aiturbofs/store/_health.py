@@ -20,25 +20,27 @@ import trio
 
 from .._errors import BackendError, BackendUnreachable, TransientBackendError
 from .._limits import BACKEND_CHECK_TIMEOUT_S, BACKEND_PROBE_FIRST_S, BACKEND_PROBE_MAX_S, PERSIST_BACKOFF_JITTER
+from ..backend import Backend
 
 log = logging.getLogger(__name__)
 
 
 class BackendHealth:
-    """Available or unavailable since when and why (see module doc).
+    """Available or unavailable since when and why (see module doc)."""
 
-    ``on_up`` runs when the backend answers again after being unavailable.
-    """
-
-    def __init__(self, backend, on_up: Callable[[], None], record_error: Callable[[str], None]):
+    def __init__(self, backend: Backend, record_error: Callable[[str], None]):
         self._backend = backend
-        self._on_up = on_up
+        self._on_up: list[Callable[[], None]] = []
         self._record_error = record_error
         self.down_since: float | None = None  # time.time() when it stopped answering
         self.down_since_monotonic = 0.0
         self.reason = ""
         self._nursery: trio.Nursery | None = None
         self._probing = False
+
+    def when_up(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` whenever the backend answers again after being unavailable."""
+        self._on_up.append(fn)
 
     @property
     def available(self) -> bool:
@@ -77,7 +79,8 @@ class BackendHealth:
         log.warning("backend answers again after %.0f s unavailable: importing and persisting",
                     time.monotonic() - self.down_since_monotonic)
         self.down_since, self.reason = None, ""
-        self._on_up()
+        for fn in self._on_up:
+            fn()
 
     def status(self) -> dict:
         since = None if self.down_since is None else time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(self.down_since))
