@@ -23,7 +23,7 @@ export DEBIAN_FRONTEND=noninteractive
 # --- Debian packages ------------------------------------------------------------------
 pkgs=(libfuse3-dev fuse3 attr pkg-config python3-venv)
 if [ "$mode" = "--test" ] || [ "$mode" = "--bench" ]; then
-    # gcc and linux-libc-dev: tests/test_fuse_abi.py checks the protocol layouts against <linux/fuse.h>
+    # gcc and linux-libc-dev: tests/fuse/test_fuse_abi.py checks the protocol layouts against <linux/fuse.h>
     pkgs+=(fio rsync postgresql gcc linux-libc-dev)
 fi
 if [ "$mode" = "--bench" ]; then

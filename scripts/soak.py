@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Run the differential torture suite (tests/test_torture.py) with random seeds for as long as asked.
+"""Run the differential torture suite (tests/system/test_torture.py) with random seeds for as long as asked.
 
     python scripts/soak.py --minutes 60 [--ops 120] [--datapath passthrough] [--keep-going]
 
 Each round picks a seed and runs every torture case with it (both data paths
 unless ``--datapath``; the kill -9 case too).  A failing round prints the
-command that replays it and the seed goes into tests/test_torture.py's CASES
+command that replays it and the seed goes into tests/system/test_torture.py's CASES
 by hand.  Needs what the test suite needs (root, /dev/fuse, the S3 server of
 scripts/setup.sh --test).  Exit status: 0 when every round passed.
 """
@@ -43,7 +43,7 @@ def main() -> int:
         seed = args.seed if args.seed is not None and rounds == 0 else rnd.randrange(1000, 10**6)
         env = {**os.environ, "AITURBOFS_TORTURE_SEED": str(seed), "AITURBOFS_TORTURE_OPS": str(args.ops),
                "AITURBOFS_TORTURE_TALLY": tally}
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "tests/test_torture.py"]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "tests/system/test_torture.py"]
         if args.datapath:
             cmd += ["-k", args.datapath]
         started = time.monotonic()

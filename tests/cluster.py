@@ -17,12 +17,17 @@ what S3 sent back (moto keeps no request log), independent of the daemons'
 ``persist`` metrics.
 
 ``FrameTamperer`` is a fabric-aware relay that flips one byte in the payload
-of the first chunk-bearing frame of a kind (see ``test_cluster`` for how a
-node's peers are pointed at it).
+of the first chunk-bearing frame of a kind (``route_peers_through`` points a
+node's peers at it).
+
+At the end, what the cluster test modules share: the group tags, a thread
+that times a call, full reads, the nodes' read counters, pools emptied
+between rounds, and ``assert_clean`` (no BUG logged, no corrupt frame).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -527,3 +532,109 @@ class Cluster:
         for m in self.nodes + self.extra:
             parts.append(f"===== {m.options.get('node')} ({m.log_path})\n{m.log()[-chars:]}")
         return "\n".join(parts)
+
+
+# ------------------------------------------------------------------ what the cluster test modules share
+
+GROUP = "user.aiturbo.group"
+GROUP_SIZE = "user.aiturbo.group.size"
+READERS_TIMEOUT_S = 60.0
+POOLS_SETTLE_S = 20.0  # replicas are released by a 1 s housekeeping pass once the file is durable
+
+
+class Timed(threading.Thread):
+    """Run ``fn(*args)`` in a thread; ``.result``/``.error`` and ``.elapsed_s`` when done."""
+
+    def __init__(self, fn, *args):
+        super().__init__(daemon=True)
+        self.fn, self.args = fn, args
+        self.result = self.error = None
+        self.started_at = self.ended_at = None
+
+    def run(self):
+        self.started_at = time.monotonic()
+        try:
+            self.result = self.fn(*self.args)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            self.error = exc
+        finally:
+            self.ended_at = time.monotonic()
+
+    @property
+    def elapsed_s(self) -> float:
+        return (self.ended_at or time.monotonic()) - self.started_at
+
+    def outcome(self, timeout_s: float):
+        """Join; the result, or raise what the thread raised / AssertionError on timeout."""
+        self.join(timeout_s)
+        if self.is_alive():
+            raise AssertionError(f"{self.fn.__name__}{self.args[:1]} still running after {timeout_s} s")
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def route_peers_through(c: Cluster, pg_server, node: str, address: str) -> None:
+    """Make the other nodes reach ``node`` at ``address`` (a relay in front of it).
+
+    Peers find a node at the fabric address the shared metadata records for
+    it; this points that row elsewhere (the node itself still listens where
+    it did, and nothing re-writes the row until it joins again).
+    """
+    with pg_server.connect(c.meta_url.rpartition("/")[2]) as conn:
+        changed = conn.execute("UPDATE nodes SET address = %s WHERE name = %s", (address, node)).rowcount
+    assert changed == 1
+    time.sleep(2.5)  # members are re-read from the metadata every second
+
+
+def read_sha(path: str) -> tuple[int, str]:
+    """A full sequential read in 1 MiB requests: (bytes read, sha256)."""
+    digest, n = hashlib.sha256(), 0
+    with open(path, "rb", buffering=0) as f:
+        while block := f.read(MiB):
+            digest.update(block)
+            n += len(block)
+    return n, digest.hexdigest()
+
+
+def cold_pools(c: Cluster) -> dict[str, int]:
+    """Every live node's DRAM pool emptied of the data: replicas released (dirty 0), then drop-cache."""
+    deadline = time.monotonic() + POOLS_SETTLE_S
+    while True:
+        st = c.statuses()
+        busy = {c.name(i): (dirty, s["cluster"]["replica_files_held"])
+                for i, s in st.items()
+                if (dirty := s["pool"]["dirty_bytes"] + s["pool"]["disk_dirty_bytes"]) or s["cluster"]["replica_files_held"]}
+        if not busy:
+            break
+        assert time.monotonic() < deadline, f"(dirty bytes, replica files held) after {POOLS_SETTLE_S} s: {busy}"
+        time.sleep(0.2)
+    freed = c.drop_cache()
+    left = {c.name(i): sum(s["pool"][k] for k in ("clean_bytes", "dirty_bytes", "disk_clean_bytes", "disk_dirty_bytes"))
+            for i, s in c.statuses().items()}
+    assert not any(left.values()), f"bytes still in the pools after drop-cache: {left}"
+    return freed
+
+
+def read_counters(c: Cluster) -> dict[int, dict]:
+    out = {}
+    for i, s in c.statuses().items():
+        cl = s["cluster"]
+        out[i] = {"fetched": s["persist"]["bytes_fetched"], **{k: cl[k] for k in (
+            "read_rounds", "chunks_from_chain", "chunks_prefetched", "chunks_served", "chunks_fetched")}}
+    return out
+
+
+def delta(after: dict[int, dict], before: dict[int, dict]) -> dict[int, dict]:
+    return {i: {k: v - before[i][k] for k, v in a.items()} for i, a in after.items() if i in before}
+
+
+def assert_clean(c: Cluster) -> None:
+    """No daemon logged a BUG, and no fabric frame arrived corrupt (normal runs)."""
+    for i in c.live():
+        log = c.nodes[i].log()
+        assert "BUG" not in log, f"{c.name(i)} logged a BUG:\n{log[-4000:]}"
+        counters = c.status(i)["cluster"]["fabric_counters"]
+        corrupt = {peer: v["corrupt_frames"] for peer, v in counters.items() if v["corrupt_frames"]}
+        assert not corrupt, f"{c.name(i)}: corrupt frames from {corrupt}"
+    assert "BUG" not in c.controller.log(), c.controller.log()

@@ -30,7 +30,7 @@ def daemon_data_path(datapath):
     """For a test of what the daemon does with each READ or WRITE: with passthrough they never reach it."""
     if datapath == "passthrough":
         pytest.skip("checks the READ/WRITE requests the daemon serves; with passthrough the kernel serves them "
-                    "itself (tests/test_passthrough.py covers that path)")
+                    "itself (tests/fuse/test_passthrough.py covers that path)")
     return datapath
 
 

@@ -4,9 +4,15 @@
 waits until the kernel mount is up.  ``stop()`` unmounts (the daemon then
 drains its persist queue and exits) and, whatever happens, kills the process
 and lazily unmounts, so a failing test never leaves a mount behind.
+
+``aiturbo`` runs the CLI of this checkout (``aiturbo_proc`` in the
+background); ``state``, ``wait_state`` and ``status`` are what a mount says of
+a file and of itself; ``assert_no_bug`` checks a daemon's log.
 """
 
+import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -147,6 +153,24 @@ def aiturbo(*args: str, check: bool = True, timeout: float = 120) -> subprocess.
     env = dict(os.environ, PYTHONPATH=REPO)
     return subprocess.run([sys.executable, "-m", "aiturbofs.cli.main", *args], capture_output=True, text=True,
                           check=check, env=env, timeout=timeout)
+
+
+def aiturbo_proc(*args: str) -> subprocess.Popen:
+    """``aiturbo ARGS`` running in the background (``aiturbo`` waits for it)."""
+    env = dict(os.environ, PYTHONPATH=REPO)
+    return subprocess.Popen([sys.executable, "-m", "aiturbofs.cli.main", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def status(m: Mount) -> dict:
+    """``aiturbo status --json`` of the mount ``m``."""
+    return json.loads(aiturbo("status", m.mountpoint, "--json").stdout)
+
+
+def assert_no_bug(log: str) -> None:
+    """No "BUG in <handler>" / "BUG while persisting": the daemon's own errors."""
+    match = re.search(r"\bBUG\b.*", log)
+    assert match is None, f"{match.group(0)}\n...\n{log[-3000:]}"
 
 
 def state(path: str) -> str:

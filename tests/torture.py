@@ -16,7 +16,7 @@ oracle's.  A store through a mapping of a file whose daemon is gone ends
 the process with SIGBUS (the kernel cannot fill the page), so the worker
 writes the result such a death leaves to ``OUT.cut`` before every such
 store: the names of that file may hold their bytes before it with any
-prefix of the store applied (see ``allows``).  Used by tests/test_torture.py
+prefix of the store applied (see ``allows``).  Used by tests/system/test_torture.py
 and by scripts/soak.py.
 """
 

@@ -5,7 +5,7 @@ once here, field by field in the kernel's order, as a ``Layout``: a
 ``struct.Struct`` (native byte order, no implicit padding: the kernel pads
 every structure explicitly to 64 bits) with named fields.  The reference is
 the kernel's ``include/uapi/linux/fuse.h`` (libfuse ships it as
-``include/fuse_kernel.h``); ``tests/test_fuse_abi.py`` compiles a probe
+``include/fuse_kernel.h``); ``tests/fuse/test_fuse_abi.py`` compiles a probe
 against the installed header and checks every size and offset it knows,
 and the fields newer than that header are checked by the running kernel
 itself (the INIT exchange and a passthrough open).

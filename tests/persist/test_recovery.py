@@ -26,25 +26,17 @@ import time
 
 import pytest
 import trio
-from mounting import aiturbo, state, wait_state, wipe_staging
-from test_durability import (
-    CHUNK,
-    WAIT_S,
-    MiB,
-    assert_no_bug,
-    get,
-    local_objects,
-    put,
-    sha,
-    status,
-    wait_until,
-)
+from fileio import get, local_objects, put, sha
+from mounting import aiturbo, assert_no_bug, state, status, wait_state, wipe_staging
+from waiting import WAIT_S, wait_until
 
 from aiturbofs import chunk
 from aiturbofs.backend import UPLOAD_TEMP_PREFIX
 from aiturbofs.fuse import probe_passthrough
 from aiturbofs.staging import SPILL_FILES_DIR, SpillStore
 
+MiB = 1 << 20
+CHUNK = 8 * MiB
 IMPORT_SETTLE_S = 1.6  # import_ttl=0.5 (tests' default) + the kernel's 1 s attribute cache
 # Mounts that see a frozen S3 server: no re-listing of directories (one that
 # started before the freeze waits out the S3 read timeout in the background).

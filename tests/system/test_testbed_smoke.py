@@ -21,8 +21,8 @@ import sys
 import time
 
 import pytest
+from mounting import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTBED = os.path.join(REPO, "benchmarks", "testbed.py")
 SMOKE_TIMEOUT_S = 300.0  # a hang guard: the run takes ~90 s on a quiet 2-core host (5 clusters: write-through, LP, dedup, 2 for load)
 

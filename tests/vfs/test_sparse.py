@@ -20,9 +20,9 @@ import subprocess
 import time
 
 import pytest
-from mounting import aiturbo, wait_state
-from test_metrics import scrape, status, value
-from test_reads import pread_direct
+from fileio import pread_direct
+from mounting import aiturbo, status, wait_state
+from scrape import scrape, value
 
 from aiturbofs._limits import CHUNK_BYTES, GiB, MiB
 

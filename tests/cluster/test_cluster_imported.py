@@ -21,11 +21,14 @@ import time
 
 import pgserver
 import pytest
-from cluster import CHUNK, FRAME_CHUNK, FrameTamperer, MiB
-from test_cluster import (
+from cluster import (
+    CHUNK,
+    FRAME_CHUNK,
     GROUP,
     GROUP_SIZE,
     READERS_TIMEOUT_S,
+    FrameTamperer,
+    MiB,
     Timed,
     assert_clean,
     cold_pools,
@@ -33,8 +36,8 @@ from test_cluster import (
     read_counters,
     read_sha,
     route_peers_through,
-    sha,
 )
+from fileio import sha
 
 pytestmark = pytest.mark.skipif(not pgserver.installed(), reason=pgserver.SKIP_REASON)
 

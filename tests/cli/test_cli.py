@@ -52,7 +52,7 @@ def test_aiturbo_alone_prints_its_help_and_hides_the_test_commands():
         assert "debug-fault" not in listing
     r = aiturbo("no-such-command", check=False)
     assert r.returncode == 2 and "invalid choice" in r.stderr and "debug-fault" not in r.stderr
-    # hidden, not gone (tests/test_durability.py makes it raise in a handler)
+    # hidden, not gone (tests/persist/test_durability.py makes it raise in a handler)
     assert "mountpoint handler" in aiturbo("debug-fault", "--help").stdout
 
 

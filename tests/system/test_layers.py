@@ -10,9 +10,10 @@ import subprocess
 import sys
 
 import pytest
+from mounting import REPO
 
-PKG = pathlib.Path(__file__).resolve().parent.parent / "aiturbofs"
-ROOT = PKG.parent
+ROOT = pathlib.Path(REPO)
+PKG = ROOT / "aiturbofs"
 
 
 def _lint_imports(root: pathlib.Path) -> subprocess.CompletedProcess:

@@ -16,7 +16,7 @@ import tempfile
 
 import pytest
 from mounting import REPO, is_mounted, wait_state
-from test_posix import tree
+from trees import tree
 
 from aiturbofs._errors import BackendError, InvalidArgument
 from aiturbofs.backend import open_backend

@@ -13,7 +13,6 @@ its DRAM budget plus a measured overhead (see docs/memory.md).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import secrets
 import signal
@@ -24,10 +23,10 @@ import time
 
 import pytest
 from faults import FaultyS3Proxy
+from fileio import pread_direct, sha
 from mounting import aiturbo, state, wait_state
 from pgserver import SKIP_REASON, PgServer, installed
 from s3server import S3Server
-from test_reads import pread_direct
 
 from aiturbofs._limits import PERSIST_FILES_IN_FLIGHT, PERSIST_PARTS_IN_FLIGHT
 
@@ -105,10 +104,6 @@ def unmount(m, timeout_s: float = 120.0) -> int:
     except subprocess.TimeoutExpired:
         m.proc.send_signal(signal.SIGTERM)
     return m.stop(timeout_s)
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def write_timed(path: str, data: bytes) -> float:

@@ -19,23 +19,14 @@ import secrets
 import time
 
 import pytest
-from mounting import aiturbo, state, wait_state
+from fileio import get, pread_direct, put, sha
+from mounting import aiturbo, assert_no_bug, state, status, wait_state
 from s3server import S3Server
-from test_durability import (
-    CHUNK,
-    WAIT_S,
-    MiB,
-    assert_no_bug,
-    get,
-    in_thread,
-    put,
-    sha,
-    status,
-    wait_until,
-)
-from test_metrics import scrape, value
-from test_reads import pread_direct
+from scrape import scrape, value
+from waiting import WAIT_S, in_thread, wait_until
 
+MiB = 1 << 20
+CHUNK = 8 * MiB
 MOUNT_UP_S = 20.0  # generous: the daemon gives the backend BACKEND_CHECK_TIMEOUT_S at mount
 CLOSE_S = 5.0  # close() of a staged file never waits for the backend
 CREATE_S = 10.0  # a create in an expired directory: far under the 60 s S3 read timeout

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import aiturbofs.planner
 from aiturbofs._errors import AiturboError
 from aiturbofs.planner import NodeSpec, PlanInfeasible, PlanInput, Planner
 
@@ -374,7 +375,7 @@ def test_plans_under_tight_dram_are_feasible(inp):
 def test_planner_imports_only_numpy_cvxpy_limits_errors():
     # importlib: the package loads its numpy/cvxpy modules lazily (the cluster extra)
     allowed = {"numpy", "cvxpy", "hashlib", "dataclasses", "collections", "threading", "time", "__future__", "importlib"}
-    pkg = pathlib.Path(__file__).resolve().parent.parent / "aiturbofs" / "planner"
+    pkg = pathlib.Path(aiturbofs.planner.__file__).parent
     for path in pkg.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import trio
 import trio.testing
+from mounting import REPO
 
 from aiturbofs import chunk
 from aiturbofs._errors import AuthFailed, InvalidArgument, RemoteError
@@ -30,7 +31,6 @@ from aiturbofs.planner import NodeSpec
 SECRET = b"correct horse battery staple 42!"
 WRONG = b"incorrect horse battery staple 0"
 GB = 1e9
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_TIMEOUT_S = 20
 
 pytestmark = pytest.mark.fail_after(TEST_TIMEOUT_S)

@@ -27,11 +27,12 @@ import sys
 import time
 
 import pytest
+import torture
 from mounting import aiturbo
 from s3server import S3Server
 from torture import allows
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+TORTURE = torture.__file__  # the workers' program, run as a script
 
 pytestmark = pytest.mark.slow  # ten minutes in all on a 2-core host: over a minute per case of random operations
 
@@ -54,7 +55,7 @@ def run_workers(root: str, seed: int, out_dir: str, *, ops: int = OPS, workers: 
     procs = []
     for w in range(workers):
         out = os.path.join(out_dir, f"oracle-{seed}-{w}.pickle")
-        procs.append((out, subprocess.Popen([sys.executable, os.path.join(HERE, "torture.py"), root, str(w),
+        procs.append((out, subprocess.Popen([sys.executable, TORTURE, root, str(w),
                                              str(seed), str(ops), out], stderr=subprocess.PIPE, text=True)))
     if kill_after_s is not None:
         deadline = time.monotonic() + kill_after_s

@@ -5,7 +5,6 @@ figures must move as the data does (bytes written reach the backend once,
 the queue empties, a backend outage shows as retries and a broken file).
 """
 
-import json
 import os
 import re
 import secrets
@@ -16,9 +15,10 @@ import urllib.request
 
 import pytest
 from cluster import Cluster
-from mounting import aiturbo, wait_state
-from prometheus_client.parser import text_string_to_metric_families
+from fileio import put
+from mounting import aiturbo, status, wait_state
 from s3server import S3Server
+from scrape import scrape, value
 
 from aiturbofs._limits import METRICS_NODE_ADDRESS_DEFAULT, MiB
 
@@ -26,34 +26,6 @@ DURABLE_WAIT_S = 60.0
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def status(m) -> dict:
-    return json.loads(aiturbo("status", m.mountpoint, "--json", timeout=30).stdout)
-
-
-def scrape(url: str) -> dict[tuple, float]:
-    """``{(sample name, sorted label items): value}`` of one GET of ``url``."""
-    with urllib.request.urlopen(url, timeout=10) as r:
-        assert r.status == 200
-        assert r.headers["Content-Type"].startswith("text/plain")
-        text = r.read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def value(samples: dict, name: str, **labels) -> float:
-    key = (name, tuple(sorted(labels.items())))
-    assert key in samples, f"{name}{labels} not scraped; have {sorted(k[0] for k in samples)}"
-    return samples[key]
-
-
-def put(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
 
 
 def scrape_until(url: str, name: str, want: float, timeout_s: float = DURABLE_WAIT_S, **labels) -> dict:

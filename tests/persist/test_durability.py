@@ -15,7 +15,6 @@ permanent error, and mark the file broken.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
@@ -29,7 +28,9 @@ from types import SimpleNamespace
 
 import pytest
 import trio
-from mounting import REPO, aiturbo, is_mounted, state, wait_state
+from fileio import get, local_objects, put, sha
+from mounting import aiturbo, aiturbo_proc, assert_no_bug, is_mounted, state, status, wait_state
+from waiting import WAIT_S, in_thread, wait_until
 
 from aiturbofs import chunk
 from aiturbofs._errors import BackendError, TransientBackendError
@@ -39,41 +40,8 @@ from aiturbofs.persist import Persister
 
 MiB = 1 << 20
 CHUNK = 8 * MiB
-WAIT_S = 60.0  # generous bound on "becomes durable" for tens of MiB on this machine
 
 # --------------------------------------------------------------------------- helpers
-
-
-def put(path: str, data: bytes, *, fsync: bool = False) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-
-
-def get(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def status(m) -> dict:
-    return json.loads(aiturbo("status", m.mountpoint, "--json").stdout)
-
-
-def wait_until(predicate, timeout_s: float = WAIT_S, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def assert_durable(m, files: dict[str, bytes], backend_objects) -> None:
@@ -84,36 +52,6 @@ def assert_durable(m, files: dict[str, bytes], backend_objects) -> None:
     for name, data in files.items():
         assert name in objects, f"{name} missing from the backend: {sorted(objects)}"
         assert sha(objects[name]) == sha(data), f"{name}: backend bytes differ"
-
-
-def local_objects(root) -> dict[str, bytes]:
-    out = {}
-    for dirpath, _, names in os.walk(root):
-        for n in names:
-            p = os.path.join(dirpath, n)
-            out[os.path.relpath(p, root)] = get(p)
-    return out
-
-
-def assert_no_bug(log: str) -> None:
-    """No "BUG in <handler>" / "BUG while persisting": the daemon's own errors."""
-    match = re.search(r"\bBUG\b.*", log)
-    assert match is None, f"{match.group(0)}\n...\n{log[-3000:]}"
-
-
-def in_thread(fn, *args):
-    """Run ``fn`` in a thread; returns (thread, box) where box gets 'result' or 'error'."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["result"] = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - reported to the test
-            box["error"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, box
 
 
 # --------------------------------------------------------------------- close / fsync
@@ -201,13 +139,6 @@ def test_fsync_directory_override_waits_for_durable(s3m):
 
 
 # ----------------------------------------------------------------- aiturbo wait / status
-
-
-def aiturbo_proc(*args: str) -> subprocess.Popen:
-    """``aiturbo ARGS`` running in the background (``mounting.aiturbo`` waits for it)."""
-    env = dict(os.environ, PYTHONPATH=REPO)
-    return subprocess.Popen([sys.executable, "-m", "aiturbofs.cli.main", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_wait_blocks_through_outage_with_progress(s3m):

@@ -39,11 +39,22 @@ from cluster import (
     CHUNK,
     FRAME_CHUNK,
     FRAME_PUT_CHUNK,
+    GROUP,
+    GROUP_SIZE,
+    READERS_TIMEOUT_S,
     Cluster,
     FrameTamperer,
     MiB,
+    Timed,
+    assert_clean,
+    cold_pools,
+    delta,
+    read_counters,
+    read_sha,
+    route_peers_through,
     write_secret,
 )
+from fileio import get, put, sha
 from mounting import state, wait_state
 
 from aiturbofs._limits import CLUSTER_SOURCE_WAIT_S, PERSIST_FILES_IN_FLIGHT
@@ -51,26 +62,10 @@ from aiturbofs._limits import CLUSTER_SOURCE_WAIT_S, PERSIST_FILES_IN_FLIGHT
 pytestmark = pytest.mark.skipif(not pgserver.installed(), reason=pgserver.SKIP_REASON)
 
 DURABLE_WAIT_S = 60.0
-GROUP = "user.aiturbo.group"
-GROUP_SIZE = "user.aiturbo.group.size"
 NO_REIMPORT = {"import_ttl": "3600"}  # clusters that see a frozen S3 (module doc)
 
 
 # ============================================================== helpers
-
-
-def put(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-
-
-def get(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def distinct_chunk_bytes(blobs) -> int:
@@ -81,38 +76,6 @@ def distinct_chunk_bytes(blobs) -> int:
             piece = data[off: off + CHUNK]
             seen[hashlib.sha256(piece).digest()] = len(piece)
     return sum(seen.values())
-
-
-class Timed(threading.Thread):
-    """Run ``fn(*args)`` in a thread; ``.result``/``.error`` and ``.elapsed_s`` when done."""
-
-    def __init__(self, fn, *args):
-        super().__init__(daemon=True)
-        self.fn, self.args = fn, args
-        self.result = self.error = None
-        self.started_at = self.ended_at = None
-
-    def run(self):
-        self.started_at = time.monotonic()
-        try:
-            self.result = self.fn(*self.args)
-        except BaseException as exc:  # noqa: BLE001 - reported to the test
-            self.error = exc
-        finally:
-            self.ended_at = time.monotonic()
-
-    @property
-    def elapsed_s(self) -> float:
-        return (self.ended_at or time.monotonic()) - self.started_at
-
-    def outcome(self, timeout_s: float):
-        """Join; the result, or raise what the thread raised / AssertionError on timeout."""
-        self.join(timeout_s)
-        if self.is_alive():
-            raise AssertionError(f"{self.fn.__name__}{self.args[:1]} still running after {timeout_s} s")
-        if self.error is not None:
-            raise self.error
-        return self.result
 
 
 def within(timeout_s: float, fn, *args):
@@ -155,17 +118,6 @@ def group_dir(c: Cluster, i: int, name: str, job: str, size: int | None) -> str:
     if size is not None:
         os.setxattr(path, GROUP_SIZE, str(size).encode())
     return path
-
-
-def assert_clean(c: Cluster) -> None:
-    """No daemon logged a BUG, and no fabric frame arrived corrupt (normal runs)."""
-    for i in c.live():
-        log = c.nodes[i].log()
-        assert "BUG" not in log, f"{c.name(i)} logged a BUG:\n{log[-4000:]}"
-        counters = c.status(i)["cluster"]["fabric_counters"]
-        corrupt = {peer: v["corrupt_frames"] for peer, v in counters.items() if v["corrupt_frames"]}
-        assert not corrupt, f"{c.name(i)}: corrupt frames from {corrupt}"
-    assert "BUG" not in c.controller.log(), c.controller.log()
 
 
 def assert_bucket_has(c: Cluster, files: dict[str, bytes]) -> None:
@@ -699,19 +651,6 @@ def test_wrong_secret_cannot_join_or_read(make_cluster):
 # ============================================================== (g) corrupt chunk frame
 
 
-def route_peers_through(c: Cluster, pg_server, node: str, address: str) -> None:
-    """Make the other nodes reach ``node`` at ``address`` (a relay in front of it).
-
-    Peers find a node at the fabric address the shared metadata records for
-    it; this points that row elsewhere (the node itself still listens where
-    it did, and nothing re-writes the row until it joins again).
-    """
-    with pg_server.connect(c.meta_url.rpartition("/")[2]) as conn:
-        changed = conn.execute("UPDATE nodes SET address = %s WHERE name = %s", (address, node)).rowcount
-    assert changed == 1
-    time.sleep(2.5)  # members are re-read from the metadata every second
-
-
 def test_corrupt_chunk_frames_are_rejected_and_refetched(make_cluster, pg_server):
     """A relay that flips one byte in one CHUNK and one PUT_CHUNK frame sits in front of n0."""
     c = make_cluster(node_options=NO_REIMPORT)
@@ -758,18 +697,6 @@ def test_corrupt_chunk_frames_are_rejected_and_refetched(make_cluster, pg_server
 
 READ_MODEL_BYTES = 256 * MiB  # the issue's size: 32 chunks; the whole test takes 14-23 s on two cores
 KILL_READ_BYTES = 96 * MiB  # 12 chunks: still being read when one reader is killed, and cheaper
-READERS_TIMEOUT_S = 60.0
-POOLS_SETTLE_S = 20.0  # replicas are released by a 1 s housekeeping pass once the file is durable
-
-
-def read_sha(path: str) -> tuple[int, str]:
-    """A full sequential read in 1 MiB requests: (bytes read, sha256)."""
-    digest, n = hashlib.sha256(), 0
-    with open(path, "rb", buffering=0) as f:
-        while block := f.read(MiB):
-            digest.update(block)
-            n += len(block)
-    return n, digest.hexdigest()
 
 
 def write_group_model(c: Cluster, i: int, dirname: str, job: str, readers: int, data: bytes) -> str:
@@ -791,25 +718,6 @@ def write_group_model(c: Cluster, i: int, dirname: str, job: str, readers: int, 
     return name
 
 
-def cold_pools(c: Cluster) -> dict[str, int]:
-    """Every live node's DRAM pool emptied of the data: replicas released (dirty 0), then drop-cache."""
-    deadline = time.monotonic() + POOLS_SETTLE_S
-    while True:
-        st = c.statuses()
-        busy = {c.name(i): (dirty, s["cluster"]["replica_files_held"])
-                for i, s in st.items()
-                if (dirty := s["pool"]["dirty_bytes"] + s["pool"]["disk_dirty_bytes"]) or s["cluster"]["replica_files_held"]}
-        if not busy:
-            break
-        assert time.monotonic() < deadline, f"(dirty bytes, replica files held) after {POOLS_SETTLE_S} s: {busy}"
-        time.sleep(0.2)
-    freed = c.drop_cache()
-    left = {c.name(i): sum(s["pool"][k] for k in ("clean_bytes", "dirty_bytes", "disk_clean_bytes", "disk_dirty_bytes"))
-            for i, s in c.statuses().items()}
-    assert not any(left.values()), f"bytes still in the pools after drop-cache: {left}"
-    return freed
-
-
 def start_readers(c: Cluster, nodes, name: str) -> list[Timed]:
     """One thread per node reading ``name`` in full, released together."""
     barrier = threading.Barrier(len(nodes))
@@ -822,19 +730,6 @@ def start_readers(c: Cluster, nodes, name: str) -> list[Timed]:
     for r in readers:
         r.start()
     return readers
-
-
-def read_counters(c: Cluster) -> dict[int, dict]:
-    out = {}
-    for i, s in c.statuses().items():
-        cl = s["cluster"]
-        out[i] = {"fetched": s["persist"]["bytes_fetched"], **{k: cl[k] for k in (
-            "read_rounds", "chunks_from_chain", "chunks_prefetched", "chunks_served", "chunks_fetched")}}
-    return out
-
-
-def delta(after: dict[int, dict], before: dict[int, dict]) -> dict[int, dict]:
-    return {i: {k: v - before[i][k] for k, v in a.items()} for i, a in after.items() if i in before}
 
 
 def test_grouped_read_fetches_each_chunk_once(make_cluster):

@@ -25,7 +25,10 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from test_posix import CHUNK, describe_diff, tree
+from trees import describe_diff, tree
+
+MiB = 1 << 20
+CHUNK = 8 * MiB
 
 # A small universe of paths, so that operations collide often: two
 # directories, names that are files in one step and directories the next.

@@ -16,7 +16,10 @@ import time
 
 import pytest
 from mounting import wait_state
-from test_posix import CHUNK, MiB, files_of, tree, verify_persisted
+from trees import files_of, tree, verify_persisted
+
+MiB = 1 << 20
+CHUNK = 8 * MiB
 
 
 def make_source_tree(root, rng: random.Random) -> dict:

@@ -1,24 +1,13 @@
 """Reads return the file's bytes, whatever the pool does meanwhile (issue: silent wrong reads)."""
 
 import json
-import mmap
 import os
 
+from fileio import pread_direct
 from mounting import aiturbo, wait_state
 
 MiB = 1 << 20
 CHUNK = 8 * MiB
-
-
-def pread_direct(path: str, offset: int, size: int) -> bytes:
-    """One O_DIRECT read: the kernel sends it to the daemon as one request, page cache bypassed."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    try:
-        with mmap.mmap(-1, size) as aligned:  # O_DIRECT wants a page-aligned buffer
-            n = os.preadv(fd, [aligned], offset)
-            return aligned[:n]
-    finally:
-        os.close(fd)
 
 
 def test_read_straddling_chunks_under_a_full_pool_returns_the_files_bytes(make_mount):

@@ -17,9 +17,9 @@ import time
 
 import pytest
 from faults import FaultyS3Proxy
-from mounting import aiturbo
+from mounting import aiturbo, aiturbo_proc, status
 from s3server import S3Server
-from test_durability import WAIT_S, aiturbo_proc, status
+from waiting import WAIT_S
 
 IMPORT_SETTLE_S = 1.6  # import_ttl=0.5 (tests' default) + the kernel's 1 s attribute cache
 
