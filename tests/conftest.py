@@ -7,7 +7,7 @@ import os
 
 import pytest
 from cluster import Cluster
-from mounting import DATAPATH, STAGING_DIRS, TEST_LOGS, Mount, S3Mounts, wipe_staging
+from mounting import DATAPATH, STAGING_DIRS, TEST_LOGS, Mount, S3Mounts, staging_of, wipe_staging
 
 from aiturbofs.fuse import probe_passthrough
 
@@ -78,19 +78,23 @@ def _staging_tmpfs_mounts() -> set[str]:
 
 
 @pytest.fixture(autouse=True)
-def _remove_staging_dirs():
+def _remove_staging_dirs(request):
     """Remove the staging dirs (on the DRAM tmpfs) of the test's mounts: a crash test leaves its own.
 
     Only the dirs of this session's mounts: another test session on the
-    machine has its own there.  A staging tmpfs that appeared during the test
-    and is left after that belongs to no mount of this session: a daemon left
-    it behind (a failed mount must not), which fails the test.
+    machine, or a daemon of the machine, has its own there, and they are
+    never touched.  A staging tmpfs that appeared during the test, is left
+    after it, and is named after a state dir in the test's temporary
+    directory was left behind by a daemon of the test that no ``Mount``
+    knew (a failed mount must not leave one): that fails the test.
     """
     before = _staging_tmpfs_mounts()
     yield
     while STAGING_DIRS:
         wipe_staging(STAGING_DIRS.pop())
-    leaked = _staging_tmpfs_mounts() - before
+    new = _staging_tmpfs_mounts() - before
+    roots = [str(request.getfixturevalue("tmp_path"))] if new and "tmp_path" in request.fixturenames else []
+    leaked = staging_of(new, roots)
     for path in leaked:
         wipe_staging(path)
     assert not leaked, f"a daemon left its staging tmpfs mounted: {sorted(leaked)}"

@@ -29,8 +29,7 @@ STAGING_DIRS: set[str] = set()  # of every Mount made: conftest removes them aft
 
 
 def is_mounted(path: str) -> bool:
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == path for line in f)
+    return path in mount_points()
 
 
 # The data path mounts use unless a test asks for one: set per test by conftest's ``datapath`` fixture.
@@ -146,6 +145,40 @@ def wipe_staging(path: str) -> None:
     if is_mounted(os.path.abspath(path)):
         subprocess.run(["umount", "-l", path], check=False, capture_output=True)
     shutil.rmtree(path, ignore_errors=True)
+
+
+def mount_points() -> set[str]:
+    """Every mount point this process sees."""
+    with open("/proc/self/mountinfo") as f:
+        return {line.split()[4] for line in f}
+
+
+def staging_of(candidates: set[str], roots: list[str], depth: int = 3) -> set[str]:
+    """Which of ``candidates`` (staging dirs) are named after a state dir at most ``depth`` levels under ``roots``.
+
+    A daemon's default staging dir is named after its state dir
+    (``default_staging_dir``): one whose state dir is none of this test's
+    belongs to another test session, or to a daemon of the machine.  The
+    walk follows no symlink and enters no mount point (a stuck FUSE mount
+    must not hang it).
+    """
+    if not candidates:
+        return set()
+    skip = mount_points()
+    found = set()
+    stack = [(os.path.abspath(root), 0) for root in roots]
+    while stack:
+        path, level = stack.pop()
+        if default_staging_dir(path) in candidates:
+            found.add(default_staging_dir(path))
+        if level >= depth:
+            continue
+        try:
+            with os.scandir(path) as entries:
+                stack += [(e.path, level + 1) for e in entries if e.path not in skip and e.is_dir(follow_symlinks=False)]
+        except OSError:
+            continue
+    return found
 
 
 def aiturbo(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
