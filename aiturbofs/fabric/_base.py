@@ -71,7 +71,9 @@ class ChunkHandler(Protocol):
 
     Calls for one connection run concurrently, at most ``in_flight_max`` at
     once.  An ``AiturboError`` raised here is sent back to the caller as a
-    ``RemoteError``; any other exception is a bug and ends ``serve``.
+    ``RemoteError``; any other exception is a bug, logged with its traceback
+    and also answered as a ``RemoteError``: it fails that request, never the
+    connection or ``serve``.
     """
 
     async def get_chunk(self, peer: PeerInfo, key: bytes) -> bytes | bytearray | memoryview | Named | None:
