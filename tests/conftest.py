@@ -7,7 +7,7 @@ import os
 
 import pytest
 from cluster import Cluster
-from mounting import DATAPATH, STAGING_DIRS, TEST_LOGS, Mount, S3Mounts, staging_of, wipe_staging
+from mounting import DATAPATH, STAGING_DIRS, TEST_LOGS, Mount, S3Mounts, mount_points, staging_of, wipe_staging
 
 from aiturbofs.fuse import probe_passthrough
 
@@ -73,8 +73,7 @@ def pytest_runtest_makereport(item, call):
 
 def _staging_tmpfs_mounts() -> set[str]:
     """Mount points of the staging tmpfs daemons mount for themselves (source ``aiturbofs-staging``)."""
-    with open("/proc/self/mountinfo") as f:
-        return {line.split()[4] for line in f if " - tmpfs aiturbofs-staging " in line}
+    return mount_points("tmpfs", "aiturbofs-staging")
 
 
 @pytest.fixture(autouse=True)

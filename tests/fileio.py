@@ -1,8 +1,10 @@
-"""Files as the tests write and read them: whole at once, one O_DIRECT read, a backend directory's objects."""
+"""Files as the tests write and read them: whole at once, one O_DIRECT read, a backend directory's objects and upload temporaries."""
 
 import hashlib
 import mmap
 import os
+
+from aiturbofs.backend import UPLOAD_TEMP_PREFIX
 
 
 def put(path: str, data: bytes, *, fsync: bool = False) -> None:
@@ -31,6 +33,11 @@ def pread_direct(path: str, offset: int, size: int) -> bytes:
             return aligned[:n]
     finally:
         os.close(fd)
+
+
+def upload_temps(root) -> list[str]:
+    """The upload temporaries under ``root`` (a file:// backend, or a local backend's ``upload_tmp_dir``)."""
+    return [os.path.join(d, n) for d, _, names in os.walk(root) for n in names if n.startswith(UPLOAD_TEMP_PREFIX)]
 
 
 def local_objects(root) -> dict[str, bytes]:

@@ -147,10 +147,16 @@ def wipe_staging(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def mount_points() -> set[str]:
-    """Every mount point this process sees."""
+def mount_points(fstype: str | None = None, source: str | None = None) -> set[str]:
+    """The mount points this process sees; with ``fstype`` and ``source``, only the mounts of that type and source."""
+    points = set()
     with open("/proc/self/mountinfo") as f:
-        return {line.split()[4] for line in f}
+        for line in f:
+            fields = line.split()
+            rest = fields[fields.index("-") + 1:]  # the file system type, the source, the super block options
+            if fstype is None or (rest[0] == fstype and rest[1] == source):
+                points.add(fields[4])
+    return points
 
 
 def staging_of(candidates: set[str], roots: list[str], depth: int = 3) -> set[str]:

@@ -12,7 +12,9 @@ no tree compares them.
 import os
 import stat
 
-UPLOAD_TEMP = b".aiturbo-upload."
+from aiturbofs.backend import UPLOAD_TEMP_PREFIX
+
+UPLOAD_TEMP = os.fsencode(UPLOAD_TEMP_PREFIX)  # tree() keys are bytes
 
 
 def tree(root, *, with_links: bool = True) -> dict:

@@ -26,6 +26,7 @@ import fsspec
 import pytest
 import trio
 import trio.testing
+from fileio import upload_temps
 from loopback import free_port
 from s3server import S3Server
 
@@ -628,15 +629,6 @@ class BackendConformance:
 # --- implementations -----------------------------------------------------------------------------
 
 
-def _temp_files(root: str) -> list[str]:
-    return [
-        os.path.join(path, name)
-        for path, _, files in os.walk(root)
-        for name in files
-        if name.startswith(UPLOAD_TEMP_PREFIX)
-    ]
-
-
 _UPLOAD_AND_HANG = """
 import json, sys, trio
 from aiturbofs.backend import open_backend
@@ -696,7 +688,7 @@ class TestLocal(BackendConformance):
     @pytest.fixture
     def target(self, tmp_path) -> Target:
         root = str(tmp_path / "root")
-        return Target(f"file://{root}", leftovers=lambda: _temp_files(root))
+        return Target(f"file://{root}", leftovers=lambda: upload_temps(root))
 
     async def test_temp_file_is_hidden_and_beside_target(self, target: Target):
         root = target.url[len("file://") :]
@@ -704,11 +696,11 @@ class TestLocal(BackendConformance):
         async def body(b: Backend):
             upload = await b.open_upload("sub/name.bin")
             await upload.write_part(0, b"x")
-            (temp,) = _temp_files(root)
+            (temp,) = upload_temps(root)
             assert os.path.dirname(temp) == os.path.join(root, "sub")
             assert await names(b, "sub") == {}
             await upload.complete(1)
-            assert _temp_files(root) == []
+            assert upload_temps(root) == []
             assert sorted(os.listdir(os.path.join(root, "sub"))) == ["name.bin"]
 
         await run(target, body)
@@ -741,7 +733,7 @@ class TestLocal(BackendConformance):
             upload = await b.open_upload("k", part_bytes=4)
             await upload.write_part(0, b"1234")
             await upload.token()  # shared: publish takes the exclusive lock
-            (temp,) = _temp_files(root)
+            (temp,) = upload_temps(root)
             os.unlink(temp)  # what a reaper in that window does
             with pytest.raises(TransientBackendError, match="removed"):
                 await upload.complete(4)
@@ -764,7 +756,7 @@ class TestLocal(BackendConformance):
                 owner = owner if _ROOT else os.getuid()
                 upload = await b.open_upload(f"d/{key}", part_bytes=4)
                 await upload.write_part(1, b"5678")  # into the temp file now (a small part 0 waits in memory)
-                (temp,) = _temp_files(root)
+                (temp,) = upload_temps(root)
                 assert stat.S_IMODE(os.stat(temp).st_mode) == 0o600, key
                 await upload.write_part(0, b"1234")
                 info = await upload.complete(8, attrs=NodeAttrs(stat.S_IFREG | mode, owner, owner, mtime_ns))
@@ -839,7 +831,7 @@ class TestLocal(BackendConformance):
         async def body(owner: Backend, other: Backend):
             upload = await owner.open_upload("d/k")
             fields = json.loads(await upload.token())
-            (temp,) = _temp_files(root)
+            (temp,) = upload_temps(root)
             assert os.path.basename(temp).startswith(UPLOAD_TEMP_PREFIX + fields["temp"] + ".")
             # upper case: a nonce of digits only has none, so make sure it differs
             shouted = fields["temp"].upper() if fields["temp"].upper() != fields["temp"] else "A" * len(fields["temp"])
@@ -866,7 +858,7 @@ class TestLocal(BackendConformance):
         async def body(owner: Backend, other: Backend):
             upload = await owner.open_upload("locked")
             upload.add_remote_part(0, 1, await other.write_remote_part("locked", await upload.token(), 0, b"x"))
-            (temp,) = _temp_files(root)
+            (temp,) = upload_temps(root)
             fd = os.open(temp, os.O_RDWR)  # a remote writer between its lock and its write
             fcntl.flock(fd, fcntl.LOCK_SH)
             async with trio.open_nursery() as nursery:
@@ -986,7 +978,7 @@ class TestMemory(BackendConformance):
     @pytest.fixture
     def target(self, tmp_path):
         root = f"memory://aiturbo-test-{secrets.token_hex(4)}"
-        yield Target(root, {"upload_tmp_dir": str(tmp_path)}, leftovers=lambda: _temp_files(str(tmp_path)))
+        yield Target(root, {"upload_tmp_dir": str(tmp_path)}, leftovers=lambda: upload_temps(str(tmp_path)))
         fsspec.filesystem("memory").rm(root, recursive=True)  # the store is process-wide
 
     async def test_unknown_protocol_is_config_error(self):

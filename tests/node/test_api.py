@@ -20,6 +20,7 @@ import traceback
 import pytest
 import trio
 from faults import FaultyS3Proxy
+from fileio import local_objects, put
 from mounting import REPO, Mount, aiturbo, wait_state
 
 import aiturbofs
@@ -73,21 +74,6 @@ def held(s3_server, make_mount):
             h.proxy.close()
 
 
-def put(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-
-
-def backend_tree(root) -> dict[str, bytes]:
-    out = {}
-    for dirpath, _, names in os.walk(root):
-        for name in names:
-            path = os.path.join(dirpath, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, root)] = f.read()
-    return out
-
-
 def fuse_requests(m) -> int:
     """Requests the daemon's FUSE session has served (the kernel-protocol session counts them)."""
     return json.loads(aiturbo("status", m.mountpoint, "--json").stdout)["fuse"]["requests"]
@@ -107,7 +93,7 @@ def test_wait_returns_once_the_backend_holds_every_byte(make_mount, tmp_path):
     torch.save(state, m.path("ckpt", "step100", "model.pt"))  # what the README shows
     seen = []
     aiturbofs.wait([m.path("ckpt", "step100")], progress=lambda done, total: seen.append((done, total)))
-    backend = backend_tree(tmp_path / "backend")  # right after it returned: nothing may still be on its way
+    backend = local_objects(tmp_path / "backend")  # right after it returned: nothing may still be on its way
     for name, data in files.items():
         assert backend.get(name) == data, name
     assert torch.load(tmp_path / "backend" / "ckpt" / "step100" / "model.pt")["w"].equal(state["w"])
@@ -126,7 +112,7 @@ def test_wait_and_states_take_one_path_and_many_inodes_per_call(make_mount, tmp_
     os.link(m.path("f0.bin"), m.path("hard.bin"))  # one inode, two names
     aiturbofs.wait(m.path("f3.bin"))  # a single path, not a list
     aiturbofs.wait([m.path(name) for name in sorted(os.listdir(m.mountpoint))])
-    backend = backend_tree(tmp_path / "backend")
+    backend = local_objects(tmp_path / "backend")
     assert all(f"f{i}.bin" in backend for i in range(5)), sorted(backend)
     now = aiturbofs.states([m.path("f0.bin"), m.path("hard.bin"), m.mountpoint])
     assert now[m.path("hard.bin")] == aiturbofs.DURABLE and len(now) == 6 and m.mountpoint not in now

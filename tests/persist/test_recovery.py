@@ -26,12 +26,11 @@ import time
 
 import pytest
 import trio
-from fileio import get, local_objects, put, sha
+from fileio import get, local_objects, put, sha, upload_temps
 from mounting import aiturbo, assert_no_bug, state, status, wait_state, wipe_staging
 from waiting import WAIT_S, wait_until
 
 from aiturbofs import chunk
-from aiturbofs.backend import UPLOAD_TEMP_PREFIX
 from aiturbofs.fuse import probe_passthrough
 from aiturbofs.staging import SPILL_FILES_DIR, SpillStore
 
@@ -347,10 +346,6 @@ def test_kill9_during_an_upload_leaves_no_temp_file_in_the_file_backend(make_mou
     assert_no_bug(m2.log())
     assert m2.stop() == 0
     assert upload_temps(backend) == []
-
-
-def upload_temps(root: str) -> list[str]:
-    return [os.path.join(d, n) for d, _, names in os.walk(root) for n in names if n.startswith(UPLOAD_TEMP_PREFIX)]
 
 
 def kill_during_an_upload(m, backend: str, timeout_s: float = 30.0) -> list[str]:
