@@ -52,6 +52,8 @@ from .._limits import (
     READ_RETRY_ATTEMPTS,
     READ_RETRY_FIRST_S,
 )
+from .._threads import background
+from ._named import NamedHashes, external_key
 
 if TYPE_CHECKING:
     from ..backend import Backend
@@ -59,8 +61,6 @@ if TYPE_CHECKING:
     from ..meta import InodeRow, MetaStore
     from ..staging import Range, StagingPool
     from ._health import BackendHealth
-from .._threads import background
-from ._named import NamedHashes, external_key
 
 log = logging.getLogger(__name__)
 
