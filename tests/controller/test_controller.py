@@ -131,95 +131,77 @@ def holders_after_staging(bodies, answers) -> dict[bytes, set[str]]:
 
 
 async def test_identical_files_upload_each_chunk_once():
-    async def main():
-        keeper = RoundKeeper(FakeMeta(), members(3), backend_bw=100 * GB, window_s=5, wait_max_s=10)
-        bodies = [body(f"n{i}", range(8), group_size=3) for i in (1, 2, 3)]
-        answers = await report_all(keeper, bodies)
-        assert len({a["round"] for a in answers}) == 1 and answers[0]["round"] == "job#1"
-        for idx in range(8):
-            uploaders = [a for a in answers if str(idx) in a["persist"]]
-            assert len(uploaders) == 1
-            assert all(idx in a["wait"] for a in answers if a is not uploaders[0])
-        assert answers[0]["persist"] and not answers[1]["persist"] and not answers[2]["persist"]  # the first reporter
-        a = answers[0]
-        assert (a["files"], a["unique_bytes"], a["total_bytes"], a["durable_bytes"]) == (3, 8 * CHUNK_BYTES, 24 * CHUNK_BYTES, 0)
-        assert all(a["stage"] == [] and a["copy"] == {} for a in answers)  # 3 writers already exceed 2 replicas
-        assert sorted(a["holders"]) == ["n1", "n2", "n3"] and a["holders"][0] == "n1"
-        assert keeper.stats()["job"]["rounds"] == 1 and keeper.stats()["job"]["unique_bytes"] == 8 * CHUNK_BYTES
-
-    await main()
+    keeper = RoundKeeper(FakeMeta(), members(3), backend_bw=100 * GB, window_s=5, wait_max_s=10)
+    bodies = [body(f"n{i}", range(8), group_size=3) for i in (1, 2, 3)]
+    answers = await report_all(keeper, bodies)
+    assert len({a["round"] for a in answers}) == 1 and answers[0]["round"] == "job#1"
+    for idx in range(8):
+        uploaders = [a for a in answers if str(idx) in a["persist"]]
+        assert len(uploaders) == 1
+        assert all(idx in a["wait"] for a in answers if a is not uploaders[0])
+    assert answers[0]["persist"] and not answers[1]["persist"] and not answers[2]["persist"]  # the first reporter
+    a = answers[0]
+    assert (a["files"], a["unique_bytes"], a["total_bytes"], a["durable_bytes"]) == (3, 8 * CHUNK_BYTES, 24 * CHUNK_BYTES, 0)
+    assert all(a["stage"] == [] and a["copy"] == {} for a in answers)  # 3 writers already exceed 2 replicas
+    assert sorted(a["holders"]) == ["n1", "n2", "n3"] and a["holders"][0] == "n1"
+    assert keeper.stats()["job"]["rounds"] == 1 and keeper.stats()["job"]["unique_bytes"] == 8 * CHUNK_BYTES
 
 
 async def test_partly_identical_files_and_holes():
-    async def main():
-        keeper = RoundKeeper(FakeMeta(), members(2), backend_bw=100 * GB, window_s=5, wait_max_s=10)
-        bodies = [body("n1", ["a", "b", None, "c"], group_size=2), body("n2", ["a", "b", "d", None, "e"], group_size=2)]
-        a1, a2 = await report_all(keeper, bodies)
-        assert set(a1["persist"]) == {"0", "1", "3"} and a1["wait"] == []
-        assert set(a2["persist"]) == {"2", "4"} and a2["wait"] == [0, 1]  # a, b: n1's file uploads them
-        assert a1["unique_bytes"] == 5 * CHUNK_BYTES and a1["total_bytes"] == 7 * CHUNK_BYTES
-        # Every chunk is written by one node only: replicas=2 needs one copy each.
-        for k, nodes in holders_after_staging(bodies, (a1, a2)).items():
-            assert len(nodes) >= 2, k.hex()
-        for a, b in ((a1, bodies[0]), (a2, bodies[1])):
-            for idx, dst in a["stage"]:
-                assert dst != b["node"] and b["file"]["chunks"][idx] != chunk.HOLE.hex()
-            assert set(a["persist"].values()) <= set(a["holders"])
-
-    await main()
+    keeper = RoundKeeper(FakeMeta(), members(2), backend_bw=100 * GB, window_s=5, wait_max_s=10)
+    bodies = [body("n1", ["a", "b", None, "c"], group_size=2), body("n2", ["a", "b", "d", None, "e"], group_size=2)]
+    a1, a2 = await report_all(keeper, bodies)
+    assert set(a1["persist"]) == {"0", "1", "3"} and a1["wait"] == []
+    assert set(a2["persist"]) == {"2", "4"} and a2["wait"] == [0, 1]  # a, b: n1's file uploads them
+    assert a1["unique_bytes"] == 5 * CHUNK_BYTES and a1["total_bytes"] == 7 * CHUNK_BYTES
+    # Every chunk is written by one node only: replicas=2 needs one copy each.
+    for k, nodes in holders_after_staging(bodies, (a1, a2)).items():
+        assert len(nodes) >= 2, k.hex()
+    for a, b in ((a1, bodies[0]), (a2, bodies[1])):
+        for idx, dst in a["stage"]:
+            assert dst != b["node"] and b["file"]["chunks"][idx] != chunk.HOLE.hex()
+        assert set(a["persist"].values()) <= set(a["holders"])
 
 
 async def test_durable_chunks_are_copied_not_planned():
-    async def main():
-        src = Source("ckpt/step1/a.bin", 3 * CHUNK_BYTES, CHUNK_BYTES, '"etag1"')
-        keeper = RoundKeeper(FakeMeta({key("a"): src}), members(2), backend_bw=100 * GB, window_s=5, wait_max_s=10)
-        bodies = [body("n1", ["a", "b"], group_size=2), body("n2", ["b", "a"], group_size=2)]
-        a1, a2 = await report_all(keeper, bodies)
-        want = {"backend_key": "ckpt/step1/a.bin", "offset": 3 * CHUNK_BYTES, "length": CHUNK_BYTES, "etag": '"etag1"'}
-        assert a1["copy"] == {"0": want} and a2["copy"] == {"1": want}
-        assert a1["persist"] == {"1": a1["persist"]["1"]} and a2["wait"] == [0] and a2["persist"] == {}
-        assert a1["durable_bytes"] == CHUNK_BYTES and a1["unique_bytes"] == 2 * CHUNK_BYTES
-        staged = {bodies[i]["file"]["chunks"][idx] for i, a in enumerate((a1, a2)) for idx, _ in a["stage"]}
-        assert key("a").hex() not in staged  # durable: no replicas needed
-
-    await main()
+    src = Source("ckpt/step1/a.bin", 3 * CHUNK_BYTES, CHUNK_BYTES, '"etag1"')
+    keeper = RoundKeeper(FakeMeta({key("a"): src}), members(2), backend_bw=100 * GB, window_s=5, wait_max_s=10)
+    bodies = [body("n1", ["a", "b"], group_size=2), body("n2", ["b", "a"], group_size=2)]
+    a1, a2 = await report_all(keeper, bodies)
+    want = {"backend_key": "ckpt/step1/a.bin", "offset": 3 * CHUNK_BYTES, "length": CHUNK_BYTES, "etag": '"etag1"'}
+    assert a1["copy"] == {"0": want} and a2["copy"] == {"1": want}
+    assert a1["persist"] == {"1": a1["persist"]["1"]} and a2["wait"] == [0] and a2["persist"] == {}
+    assert a1["durable_bytes"] == CHUNK_BYTES and a1["unique_bytes"] == 2 * CHUNK_BYTES
+    staged = {bodies[i]["file"]["chunks"][idx] for i, a in enumerate((a1, a2)) for idx, _ in a["stage"]}
+    assert key("a").hex() not in staged  # durable: no replicas needed
 
 
 async def test_everything_durable_needs_no_plan():
-    async def main():
-        src = Source("old.bin", 0, CHUNK_BYTES, None)
-        keeper = RoundKeeper(FakeMeta({key("a"): src}), {}, backend_bw=GB, window_s=0.05, wait_max_s=1)
-        (a,) = await report_all(keeper, [body("n1", ["a"])])
-        assert "error" in a  # n1 is not a member: its writer is not alive
-        keeper.members["n1"] = NodeSpec(GB, GB, GB, 0)
-        (a,) = await report_all(keeper, [body("n1", ["a", None])])
-        assert a["copy"] == {"0": {"backend_key": "old.bin", "offset": 0, "length": CHUNK_BYTES, "etag": None}}
-        assert a["persist"] == {} and a["stage"] == [] and a["makespan_s"] == 0.0
-
-    await main()
+    src = Source("old.bin", 0, CHUNK_BYTES, None)
+    keeper = RoundKeeper(FakeMeta({key("a"): src}), {}, backend_bw=GB, window_s=0.05, wait_max_s=1)
+    (a,) = await report_all(keeper, [body("n1", ["a"])])
+    assert "error" in a  # n1 is not a member: its writer is not alive
+    keeper.members["n1"] = NodeSpec(GB, GB, GB, 0)
+    (a,) = await report_all(keeper, [body("n1", ["a", None])])
+    assert a["copy"] == {"0": {"backend_key": "old.bin", "offset": 0, "length": CHUNK_BYTES, "etag": None}}
+    assert a["persist"] == {} and a["stage"] == [] and a["makespan_s"] == 0.0
 
 
 async def test_group_size_closes_a_round_at_once():
-    async def main():
-        keeper = RoundKeeper(FakeMeta(), members(2), backend_bw=100 * GB, window_s=5, wait_max_s=10)
-        start = trio.current_time()
-        answers = await report_all(keeper, [body("n1", ["a"], group_size=2), body("n2", ["b"], group_size=2)])
-        assert trio.current_time() - start < 2 and [a["files"] for a in answers] == [2, 2]
-
-    await main()
+    keeper = RoundKeeper(FakeMeta(), members(2), backend_bw=100 * GB, window_s=5, wait_max_s=10)
+    start = trio.current_time()
+    answers = await report_all(keeper, [body("n1", ["a"], group_size=2), body("n2", ["b"], group_size=2)])
+    assert trio.current_time() - start < 2 and [a["files"] for a in answers] == [2, 2]
 
 
 async def test_window_closes_a_round_without_group_size():
-    async def main():
-        keeper = RoundKeeper(FakeMeta(), members(2), backend_bw=100 * GB, window_s=0.1, wait_max_s=10)
-        start = trio.current_time()
-        answers = await report_all(keeper, [body("n1", ["a"]), body("n2", ["b"])])
-        assert 0.1 <= trio.current_time() - start < 2
-        assert [a["round"] for a in answers] == ["job#1", "job#1"] and answers[0]["files"] == 2
-        (late,) = await report_all(keeper, [body("n1", ["c"])])  # after the close: the next round
-        assert late["round"] == "job#2" and late["files"] == 1
-
-    await main()
+    keeper = RoundKeeper(FakeMeta(), members(2), backend_bw=100 * GB, window_s=0.1, wait_max_s=10)
+    start = trio.current_time()
+    answers = await report_all(keeper, [body("n1", ["a"]), body("n2", ["b"])])
+    assert 0.1 <= trio.current_time() - start < 2
+    assert [a["round"] for a in answers] == ["job#1", "job#1"] and answers[0]["files"] == 2
+    (late,) = await report_all(keeper, [body("n1", ["c"])])  # after the close: the next round
+    assert late["round"] == "job#2" and late["files"] == 1
 
 
 async def test_a_round_short_of_its_size_closes_at_the_wait_max(caplog):
@@ -236,113 +218,98 @@ async def test_a_round_short_of_its_size_closes_at_the_wait_max(caplog):
 
 
 async def test_replicas_are_satisfied_for_every_chunk():
-    async def main():
-        keeper = RoundKeeper(FakeMeta(), members(4), backend_bw=100 * GB, window_s=5, wait_max_s=10)
-        # Two DP pairs: n1/n2 write the same file, n3/n4 another; every node also writes its own.
-        bodies = [body("n1", ["p0", "p1", "p2"], group_size=8, replicas=3, ino=1),
-                  body("n2", ["p0", "p1", "p2"], group_size=8, replicas=3, ino=2),
-                  body("n3", ["q0", "q1"], group_size=8, replicas=3, ino=3),
-                  body("n4", ["q0", "q1"], group_size=8, replicas=3, ino=4)]
-        bodies += [body(f"n{i}", [f"own{i}.{j}" for j in range(3)], group_size=8, replicas=3, ino=10 + i)
-                   for i in range(1, 5)]
-        answers = await report_all(keeper, bodies)
-        assert {a["round"] for a in answers} == {"job#1"} and answers[0]["replicas"] == 3
-        holders = holders_after_staging(bodies, answers)
-        assert len(holders) == 17 and all(len(nodes) >= 3 for nodes in holders.values())
-        puts = [(bodies[i]["file"]["chunks"][idx], dst) for i, a in enumerate(answers) for idx, dst in a["stage"]]
-        assert len(puts) == len(set(puts))  # each transfer is given to exactly one file
-        for b, a in zip(bodies, answers):
-            mine = {bytes.fromhex(h) for h in b["file"]["chunks"]}
-            assert set(a["holders"]) == set().union(*(holders[k] for k in mine)) and a["holders"][0] == b["node"]
-            for idx, node in a["persist"].items():
-                assert node in holders[bytes.fromhex(b["file"]["chunks"][int(idx)])]
-
-    await main()
+    keeper = RoundKeeper(FakeMeta(), members(4), backend_bw=100 * GB, window_s=5, wait_max_s=10)
+    # Two DP pairs: n1/n2 write the same file, n3/n4 another; every node also writes its own.
+    bodies = [body("n1", ["p0", "p1", "p2"], group_size=8, replicas=3, ino=1),
+              body("n2", ["p0", "p1", "p2"], group_size=8, replicas=3, ino=2),
+              body("n3", ["q0", "q1"], group_size=8, replicas=3, ino=3),
+              body("n4", ["q0", "q1"], group_size=8, replicas=3, ino=4)]
+    bodies += [body(f"n{i}", [f"own{i}.{j}" for j in range(3)], group_size=8, replicas=3, ino=10 + i)
+               for i in range(1, 5)]
+    answers = await report_all(keeper, bodies)
+    assert {a["round"] for a in answers} == {"job#1"} and answers[0]["replicas"] == 3
+    holders = holders_after_staging(bodies, answers)
+    assert len(holders) == 17 and all(len(nodes) >= 3 for nodes in holders.values())
+    puts = [(bodies[i]["file"]["chunks"][idx], dst) for i, a in enumerate(answers) for idx, dst in a["stage"]]
+    assert len(puts) == len(set(puts))  # each transfer is given to exactly one file
+    for b, a in zip(bodies, answers):
+        mine = {bytes.fromhex(h) for h in b["file"]["chunks"]}
+        assert set(a["holders"]) == set().union(*(holders[k] for k in mine)) and a["holders"][0] == b["node"]
+        for idx, node in a["persist"].items():
+            assert node in holders[bytes.fromhex(b["file"]["chunks"][int(idx)])]
 
 
 async def test_a_single_writer_spreads_the_upload_over_the_cluster():
     """Rank 0 writes a 16-chunk file: its slow S-NIC alone would take 16x; the plan fans it out."""
-    async def main():
-        keeper = RoundKeeper(FakeMeta(), members(3, send=25 * GB, snic=1.25 * GB), backend_bw=100 * GB,
-                             window_s=0.05, wait_max_s=10)
-        b = body("n1", range(16), replicas=1)
-        (a,) = await report_all(keeper, [b])
-        persisters = collections.Counter(a["persist"].values())
-        assert len(a["persist"]) == 16 and len(persisters) > 1, persisters
-        staged = {(idx, dst) for idx, dst in a["stage"]}
-        for idx, node in a["persist"].items():
-            assert node == "n1" or (int(idx), node) in staged  # a persister holds the chunk
-        assert a["makespan_s"] < 16 * CHUNK_BYTES / (1.25 * GB) * 0.6
-        assert a["lp_bound_s"] <= a["makespan_s"] * (1 + 1e-9)
-
-    await main()
+    keeper = RoundKeeper(FakeMeta(), members(3, send=25 * GB, snic=1.25 * GB), backend_bw=100 * GB,
+                         window_s=0.05, wait_max_s=10)
+    b = body("n1", range(16), replicas=1)
+    (a,) = await report_all(keeper, [b])
+    persisters = collections.Counter(a["persist"].values())
+    assert len(a["persist"]) == 16 and len(persisters) > 1, persisters
+    staged = {(idx, dst) for idx, dst in a["stage"]}
+    for idx, node in a["persist"].items():
+        assert node == "n1" or (int(idx), node) in staged  # a persister holds the chunk
+    assert a["makespan_s"] < 16 * CHUNK_BYTES / (1.25 * GB) * 0.6
+    assert a["lp_bound_s"] <= a["makespan_s"] * (1 + 1e-9)
 
 
 async def test_dedup_mode_gives_each_unique_chunk_to_its_first_files_node():
     """--plan dedup, DP replicas: one uploader per unique chunk, and transfers only to make up the replicas."""
-    async def main():
-        keeper = RoundKeeper(FakeMeta(), members(4), backend_bw=100 * GB, window_s=5, wait_max_s=10, plan="dedup")
-        model = [f"m{j}" for j in range(6)]
-        # n3 reports first: the first file, not the lowest node name, uploads the shared chunks.
-        order = ("n3", "n1", "n4", "n2")
-        bodies = [body(n, [*model, f"{n}.s0", f"{n}.s1"], group_size=4, replicas=2, ino=10 + i)
-                  for i, n in enumerate(order)]
-        answers = await report_all(keeper, bodies)
-        assert {a["round"] for a in answers} == {"job#1"} and all(a["plan"] == "dedup" for a in answers)
-        assert all(a["makespan_s"] == 0.0 and a["lp_bound_s"] == 0.0 for a in answers)  # nothing was solved
-        uploaders = collections.defaultdict(list)  # chunk -> (file position, node that sends the bytes)
-        for pos, (b, a) in enumerate(zip(bodies, answers)):
-            for idx, node in a["persist"].items():
-                uploaders[b["file"]["chunks"][int(idx)]].append((pos, node))
-        assert len(uploaders) == 6 + 4 * 2
-        for hexkey, ups in uploaders.items():
-            first = next(pos for pos, b in enumerate(bodies) if hexkey in b["file"]["chunks"])
-            assert ups == [(first, bodies[first]["node"])], (hexkey, ups)
-        assert all(answers[0]["persist"][str(j)] == "n3" for j in range(6))
-        for a in answers[1:]:
-            assert a["wait"] == list(range(6)) and set(a["persist"]) == {"6", "7"}
-        # The model chunks have 4 writers (>= 2 replicas): never moved.  Each shard chunk, one writer: one
-        # transfer, and both of a file's shard chunks to the same node, as a node alone would place them.
-        for b, a in zip(bodies, answers):
-            assert sorted(idx for idx, _ in a["stage"]) == [6, 7], a["stage"]
-            (dst,) = {dst for _, dst in a["stage"]}
-            assert dst != b["node"] and a["holders"] == [b["node"], *sorted({*order} - {b["node"]})]
-        holders = holders_after_staging(bodies, answers)
-        assert all(len(holders[key(lab)]) == 4 for lab in model)
-        assert all(len(nodes) == 2 for k, nodes in holders.items() if k not in {key(lab) for lab in model})
-        g = keeper.stats()["job"]
-        assert g["plan"] == "dedup" and g["unique_bytes"] == 14 * CHUNK_BYTES and g["bytes"] == 32 * CHUNK_BYTES
-
-    await main()
+    keeper = RoundKeeper(FakeMeta(), members(4), backend_bw=100 * GB, window_s=5, wait_max_s=10, plan="dedup")
+    model = [f"m{j}" for j in range(6)]
+    # n3 reports first: the first file, not the lowest node name, uploads the shared chunks.
+    order = ("n3", "n1", "n4", "n2")
+    bodies = [body(n, [*model, f"{n}.s0", f"{n}.s1"], group_size=4, replicas=2, ino=10 + i)
+              for i, n in enumerate(order)]
+    answers = await report_all(keeper, bodies)
+    assert {a["round"] for a in answers} == {"job#1"} and all(a["plan"] == "dedup" for a in answers)
+    assert all(a["makespan_s"] == 0.0 and a["lp_bound_s"] == 0.0 for a in answers)  # nothing was solved
+    uploaders = collections.defaultdict(list)  # chunk -> (file position, node that sends the bytes)
+    for pos, (b, a) in enumerate(zip(bodies, answers)):
+        for idx, node in a["persist"].items():
+            uploaders[b["file"]["chunks"][int(idx)]].append((pos, node))
+    assert len(uploaders) == 6 + 4 * 2
+    for hexkey, ups in uploaders.items():
+        first = next(pos for pos, b in enumerate(bodies) if hexkey in b["file"]["chunks"])
+        assert ups == [(first, bodies[first]["node"])], (hexkey, ups)
+    assert all(answers[0]["persist"][str(j)] == "n3" for j in range(6))
+    for a in answers[1:]:
+        assert a["wait"] == list(range(6)) and set(a["persist"]) == {"6", "7"}
+    # The model chunks have 4 writers (>= 2 replicas): never moved.  Each shard chunk, one writer: one
+    # transfer, and both of a file's shard chunks to the same node, as a node alone would place them.
+    for b, a in zip(bodies, answers):
+        assert sorted(idx for idx, _ in a["stage"]) == [6, 7], a["stage"]
+        (dst,) = {dst for _, dst in a["stage"]}
+        assert dst != b["node"] and a["holders"] == [b["node"], *sorted({*order} - {b["node"]})]
+    holders = holders_after_staging(bodies, answers)
+    assert all(len(holders[key(lab)]) == 4 for lab in model)
+    assert all(len(nodes) == 2 for k, nodes in holders.items() if k not in {key(lab) for lab in model})
+    g = keeper.stats()["job"]
+    assert g["plan"] == "dedup" and g["unique_bytes"] == 14 * CHUNK_BYTES and g["bytes"] == 32 * CHUNK_BYTES
 
 
 async def test_dedup_mode_leaves_a_single_writers_upload_to_it():
     """--plan dedup: rank 0's file is uploaded by rank 0 alone (the LP would spread it, see above)."""
-    async def main():
-        keeper = RoundKeeper(FakeMeta(), members(3, send=25 * GB, snic=1.25 * GB), backend_bw=100 * GB,
-                             window_s=0.05, wait_max_s=10, plan="dedup")
-        (a,) = await report_all(keeper, [body("n1", [*range(8), 0, None], replicas=1)])
-        assert a["persist"] == {str(i): "n1" for i in range(9)} and a["stage"] == [] and a["wait"] == []
-        assert a["holders"] == ["n1"] and a["unique_bytes"] == 8 * CHUNK_BYTES
-        (a,) = await report_all(keeper, [body("n2", range(4), replicas=5)])  # more replicas than nodes: all 3
-        assert sorted(dst for _, dst in a["stage"]) == ["n1"] * 4 + ["n3"] * 4 and a["replicas"] == 3
-
-    await main()
+    keeper = RoundKeeper(FakeMeta(), members(3, send=25 * GB, snic=1.25 * GB), backend_bw=100 * GB,
+                         window_s=0.05, wait_max_s=10, plan="dedup")
+    (a,) = await report_all(keeper, [body("n1", [*range(8), 0, None], replicas=1)])
+    assert a["persist"] == {str(i): "n1" for i in range(9)} and a["stage"] == [] and a["wait"] == []
+    assert a["holders"] == ["n1"] and a["unique_bytes"] == 8 * CHUNK_BYTES
+    (a,) = await report_all(keeper, [body("n2", range(4), replicas=5)])  # more replicas than nodes: all 3
+    assert sorted(dst for _, dst in a["stage"]) == ["n1"] * 4 + ["n3"] * 4 and a["replicas"] == 3
 
 
 async def test_dedup_mode_copies_durable_chunks_and_refuses_unknown_modes():
-    async def main():
-        src = Source("ckpt/step1/a.bin", 0, CHUNK_BYTES, '"e"')
-        keeper = RoundKeeper(FakeMeta({key("a"): src}), members(2), backend_bw=GB, window_s=5, wait_max_s=10,
-                             plan="dedup")
-        a1, a2 = await report_all(keeper, [body("n1", ["a", "b"], group_size=2), body("n2", ["b", "a"], group_size=2)])
-        assert a1["copy"] == {"0": {"backend_key": "ckpt/step1/a.bin", "offset": 0, "length": CHUNK_BYTES, "etag": '"e"'}}
-        assert a1["persist"] == {"1": "n1"} and a2["persist"] == {} and a2["wait"] == [0] and "1" in a2["copy"]
-        assert a1["stage"] == a2["stage"] == []  # b has two writers, a is durable
-        with pytest.raises(InvalidArgument, match="plan mode 'greedy'"):
-            RoundKeeper(None, members(1), backend_bw=GB, plan="greedy")
-
-    await main()
+    src = Source("ckpt/step1/a.bin", 0, CHUNK_BYTES, '"e"')
+    keeper = RoundKeeper(FakeMeta({key("a"): src}), members(2), backend_bw=GB, window_s=5, wait_max_s=10,
+                         plan="dedup")
+    a1, a2 = await report_all(keeper, [body("n1", ["a", "b"], group_size=2), body("n2", ["b", "a"], group_size=2)])
+    assert a1["copy"] == {"0": {"backend_key": "ckpt/step1/a.bin", "offset": 0, "length": CHUNK_BYTES, "etag": '"e"'}}
+    assert a1["persist"] == {"1": "n1"} and a2["persist"] == {} and a2["wait"] == [0] and "1" in a2["copy"]
+    assert a1["stage"] == a2["stage"] == []  # b has two writers, a is durable
+    with pytest.raises(InvalidArgument, match="plan mode 'greedy'"):
+        RoundKeeper(None, members(1), backend_bw=GB, plan="greedy")
 
 
 async def test_infeasible_round_answers_every_report_with_an_error(caplog):
@@ -358,63 +325,50 @@ async def test_infeasible_round_answers_every_report_with_an_error(caplog):
 
 
 async def test_a_dead_nodes_report_leaves_the_open_round():
-    async def main():
-        live = members(3)
-        keeper = RoundKeeper(FakeMeta(), live, backend_bw=100 * GB, window_s=5, wait_max_s=10)
-        answers = {}
-
-        async def one(b):
-            answers[b["node"]] = await report(keeper, b)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(one, body("n2", ["a", "b"], group_size=2))
-            await trio.testing.wait_all_tasks_blocked()
-            del live["n2"]
-            keeper.drop_node("n2")
-            nursery.start_soon(one, body("n1", ["a"], group_size=2))
-            await trio.testing.wait_all_tasks_blocked()
-            nursery.start_soon(one, body("n3", ["c"], group_size=2))
-        assert "error" in answers["n2"]
-        assert answers["n1"]["files"] == 2 and answers["n1"]["persist"] == {"0": answers["n1"]["persist"]["0"]}
-        assert answers["n1"]["round"] == answers["n3"]["round"] == "job#2"
-
-    await main()
+    live = members(3)
+    keeper = RoundKeeper(FakeMeta(), live, backend_bw=100 * GB, window_s=5, wait_max_s=10)
+    answers = {}
+    async def one(b):
+        answers[b["node"]] = await report(keeper, b)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(one, body("n2", ["a", "b"], group_size=2))
+        await trio.testing.wait_all_tasks_blocked()
+        del live["n2"]
+        keeper.drop_node("n2")
+        nursery.start_soon(one, body("n1", ["a"], group_size=2))
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(one, body("n3", ["c"], group_size=2))
+    assert "error" in answers["n2"]
+    assert answers["n1"]["files"] == 2 and answers["n1"]["persist"] == {"0": answers["n1"]["persist"]["0"]}
+    assert answers["n1"]["round"] == answers["n3"]["round"] == "job#2"
 
 
 async def test_bad_reports_are_refused():
-    async def main():
-        keeper = RoundKeeper(None, members(1), backend_bw=GB)
-        good = body("n1", ["a"])
-        for mutate in (lambda b: b.update(group=""), lambda b: b.update(replicas=0),
-                       lambda b: b["file"].update(chunks=["xyz"]), lambda b: b["file"].update(lengths=[0]),
-                       lambda b: b["file"].update(lengths=[]), lambda b: b.update(group_size=True)):
-            bad = {**good, "file": dict(good["file"])}
-            mutate(bad)
-            with pytest.raises(Exception, match="report:"):
-                await report(keeper, bad)
-
-    await main()
+    keeper = RoundKeeper(None, members(1), backend_bw=GB)
+    good = body("n1", ["a"])
+    for mutate in (lambda b: b.update(group=""), lambda b: b.update(replicas=0),
+                   lambda b: b["file"].update(chunks=["xyz"]), lambda b: b["file"].update(lengths=[0]),
+                   lambda b: b["file"].update(lengths=[]), lambda b: b.update(group_size=True)):
+        bad = {**good, "file": dict(good["file"])}
+        mutate(bad)
+        with pytest.raises(Exception, match="report:"):
+            await report(keeper, bad)
 
 
 async def test_embedded_controller_plans_rounds_of_one_node():
-    async def main():
-        ctl = EmbeddedController()
-        assert ctl.summary() == {}
-        b1, b2 = body("local", ["a", "b"], replicas=2, ino=1), body("local", ["b", "c"], replicas=2, ino=2)
-        answers = [None, None]
-
-        async def one(i, b):
-            answers[i] = encode(await ctl.report(decode(b, ToController)))
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(one, 0, b1)
-            await trio.testing.wait_all_tasks_blocked()
-            nursery.start_soon(one, 1, b2)
-        a1, a2 = answers
-        assert a1["replicas"] == 1 and a1["holders"] == ["local"] and a1["stage"] == []
-        assert a1["persist"] == {"0": "local", "1": "local"} and a2["wait"] == [0] and a2["persist"] == {"1": "local"}
-
-    await main()
+    ctl = EmbeddedController()
+    assert ctl.summary() == {}
+    b1, b2 = body("local", ["a", "b"], replicas=2, ino=1), body("local", ["b", "c"], replicas=2, ino=2)
+    answers = [None, None]
+    async def one(i, b):
+        answers[i] = encode(await ctl.report(decode(b, ToController)))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(one, 0, b1)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(one, 1, b2)
+    a1, a2 = answers
+    assert a1["replicas"] == 1 and a1["holders"] == ["local"] and a1["stage"] == []
+    assert a1["persist"] == {"0": "local", "1": "local"} and a2["wait"] == [0] and a2["persist"] == {"1": "local"}
 
 
 # --- ControllerServer over the fabric ------------------------------------------------------------
@@ -482,47 +436,37 @@ async def test_join_heartbeat_and_dead_detection(caplog):
 
 
 async def test_reports_over_the_fabric():
-    async def main():
-        async with cluster(window_s=5, wait_max_s=10) as c:
-            peers = {n: await c.connect(n) for n in ("n1", "n2")}
-            assert await peers["n1"].control(body("n1", ["a"])) == {"error": "not joined"}
-            for n, peer in peers.items():
-                await peer.control(join_body(n))
-            answers = {}
-
-            async def one(n):
-                answers[n] = await peers[n].control(body(n, range(4), group_size=2))
-
-            async with trio.open_nursery() as reports:
-                for n in peers:
-                    reports.start_soon(one, n)
-            assert answers["n1"]["round"] == answers["n2"]["round"] == "job#1"
-            assert len(answers["n1"]["persist"]) + len(answers["n2"]["persist"]) == 4
-            status = await peers["n1"].control({"op": "status"})
-            assert status["groups"]["job"]["files"] == 2
-
-    await main()
+    async with cluster(window_s=5, wait_max_s=10) as c:
+        peers = {n: await c.connect(n) for n in ("n1", "n2")}
+        assert await peers["n1"].control(body("n1", ["a"])) == {"error": "not joined"}
+        for n, peer in peers.items():
+            await peer.control(join_body(n))
+        answers = {}
+        async def one(n):
+            answers[n] = await peers[n].control(body(n, range(4), group_size=2))
+        async with trio.open_nursery() as reports:
+            for n in peers:
+                reports.start_soon(one, n)
+        assert answers["n1"]["round"] == answers["n2"]["round"] == "job#1"
+        assert len(answers["n1"]["persist"]) + len(answers["n2"]["persist"]) == 4
+        status = await peers["n1"].control({"op": "status"})
+        assert status["groups"]["job"]["files"] == 2
 
 
 async def test_a_dedup_controller_answers_over_the_fabric():
-    async def main():
-        async with cluster(window_s=5, wait_max_s=10, plan="dedup") as c:
-            peers = {n: await c.connect(n) for n in ("n1", "n2")}
-            for n, peer in peers.items():
-                await peer.control(join_body(n))
-            answers = {}
-
-            async def one(n):
-                answers[n] = await peers[n].control(body(n, range(4), group_size=2))
-
-            async with trio.open_nursery() as reports:
-                reports.start_soon(one, "n1")
-                await trio.testing.wait_all_tasks_blocked()
-                reports.start_soon(one, "n2")
-            assert answers["n1"]["persist"] == {str(i): "n1" for i in range(4)} and answers["n2"]["wait"] == [0, 1, 2, 3]
-            assert (await peers["n2"].control({"op": "status"}))["groups"]["job"]["plan"] == "dedup"
-
-    await main()
+    async with cluster(window_s=5, wait_max_s=10, plan="dedup") as c:
+        peers = {n: await c.connect(n) for n in ("n1", "n2")}
+        for n, peer in peers.items():
+            await peer.control(join_body(n))
+        answers = {}
+        async def one(n):
+            answers[n] = await peers[n].control(body(n, range(4), group_size=2))
+        async with trio.open_nursery() as reports:
+            reports.start_soon(one, "n1")
+            await trio.testing.wait_all_tasks_blocked()
+            reports.start_soon(one, "n2")
+        assert answers["n1"]["persist"] == {str(i): "n1" for i in range(4)} and answers["n2"]["wait"] == [0, 1, 2, 3]
+        assert (await peers["n2"].control({"op": "status"}))["groups"]["job"]["plan"] == "dedup"
 
 
 async def test_a_node_dying_drops_its_report_from_the_open_round():
@@ -531,50 +475,42 @@ async def test_a_node_dying_drops_its_report_from_the_open_round():
             await peer.control({"op": "heartbeat", "node": node})
             await trio.sleep(0.05)
 
-    async def main():
-        async with cluster(heartbeat_s=0.05, dead_after_s=0.2, window_s=5, wait_max_s=10) as c:
-            peers = {n: await c.connect(n) for n in ("n1", "n2", "n3")}
-            for n, peer in peers.items():
-                await peer.control(join_body(n))
-            got = {}
-
-            async def report(n, labels):
-                got[n] = await peers[n].control(body(n, labels, group_size=2))
-
-            async with trio.open_nursery() as background:
-                background.start_soon(beat, peers["n1"], "n1")
-                background.start_soon(beat, peers["n3"], "n3")
-                async with trio.open_nursery() as reports:
-                    reports.start_soon(report, "n2", ["a"])  # n2 never heartbeats: dead, its report dropped
-                    with trio.fail_after(2):
-                        while "n2" not in got:
-                            await trio.sleep(0.02)
-                    assert "error" in got["n2"] and "n2" not in c.server.members
-                    reports.start_soon(report, "n1", ["a"])
-                    await trio.sleep(0.05)
-                    reports.start_soon(report, "n3", ["b"])
-                background.cancel_scope.cancel()
-            assert got["n1"]["files"] == 2 and got["n1"]["round"] == got["n3"]["round"] == "job#2"
-            assert c.meta.rows["n2"].state == "dead"
-
-    await main()
+    async with cluster(heartbeat_s=0.05, dead_after_s=0.2, window_s=5, wait_max_s=10) as c:
+        peers = {n: await c.connect(n) for n in ("n1", "n2", "n3")}
+        for n, peer in peers.items():
+            await peer.control(join_body(n))
+        got = {}
+        async def report(n, labels):
+            got[n] = await peers[n].control(body(n, labels, group_size=2))
+        async with trio.open_nursery() as background:
+            background.start_soon(beat, peers["n1"], "n1")
+            background.start_soon(beat, peers["n3"], "n3")
+            async with trio.open_nursery() as reports:
+                reports.start_soon(report, "n2", ["a"])  # n2 never heartbeats: dead, its report dropped
+                with trio.fail_after(2):
+                    while "n2" not in got:
+                        await trio.sleep(0.02)
+                assert "error" in got["n2"] and "n2" not in c.server.members
+                reports.start_soon(report, "n1", ["a"])
+                await trio.sleep(0.05)
+                reports.start_soon(report, "n3", ["b"])
+            background.cancel_scope.cancel()
+        assert got["n1"]["files"] == 2 and got["n1"]["round"] == got["n3"]["round"] == "job#2"
+        assert c.meta.rows["n2"].state == "dead"
 
 
 async def test_restart_loads_members_from_the_metadata():
-    async def main():
-        info = {"send_bw": 25 * GB, "recv_bw": 25 * GB, "snic_bw": 12.5 * GB, "dram_free": 1 << 30}
-        meta = FakeMeta(rows=[Row("n1", "n1:7387", "alive", 0, info), Row("n2", "n2:7387", "alive", 0, info),
-                              Row("n3", "n3:7387", "dead", 0, info)])
-        async with cluster(meta, heartbeat_s=0.05, dead_after_s=0.3) as c:
-            assert set(c.server.members) == {"n1", "n2"}
-            n1 = await c.connect("n1")
-            assert "error" not in await n1.control({"op": "heartbeat", "node": "n1", "dram_free": 1})
-            for _ in range(10):  # n2 does not come back
-                await trio.sleep(0.05)
-                await n1.control({"op": "heartbeat", "node": "n1", "dram_free": 1})
-            assert meta.rows["n2"].state == "dead" and set(c.server.members) == {"n1"}
-
-    await main()
+    info = {"send_bw": 25 * GB, "recv_bw": 25 * GB, "snic_bw": 12.5 * GB, "dram_free": 1 << 30}
+    meta = FakeMeta(rows=[Row("n1", "n1:7387", "alive", 0, info), Row("n2", "n2:7387", "alive", 0, info),
+                          Row("n3", "n3:7387", "dead", 0, info)])
+    async with cluster(meta, heartbeat_s=0.05, dead_after_s=0.3) as c:
+        assert set(c.server.members) == {"n1", "n2"}
+        n1 = await c.connect("n1")
+        assert "error" not in await n1.control({"op": "heartbeat", "node": "n1", "dram_free": 1})
+        for _ in range(10):  # n2 does not come back
+            await trio.sleep(0.05)
+            await n1.control({"op": "heartbeat", "node": "n1", "dram_free": 1})
+        assert meta.rows["n2"].state == "dead" and set(c.server.members) == {"n1"}
 
 
 async def test_a_node_cannot_speak_for_another(caplog):
@@ -595,28 +531,22 @@ async def test_a_node_cannot_speak_for_another(caplog):
 
 
 async def test_a_malformed_request_fails_alone():
-    async def main():
-        async with cluster() as c:
-            n1 = await c.connect("n1")
-            for bad, why in (({"op": "leave"}, "leave: node is missing"),
-                             ({**join_body("n1"), "dram_free": "lots"}, "join: dram_free must be an integer"),
-                             ({"op": "hold", "ino": 1}, "unknown controller op 'hold'")):
-                with pytest.raises(RemoteError, match=f"MalformedMessage: {why}"):
-                    await n1.control(bad)
-            assert c.meta.rows == {}
-            assert (await n1.control(join_body("n1")))["ok"]  # the connection and the controller go on
-
-    await main()
+    async with cluster() as c:
+        n1 = await c.connect("n1")
+        for bad, why in (({"op": "leave"}, "leave: node is missing"),
+                         ({**join_body("n1"), "dram_free": "lots"}, "join: dram_free must be an integer"),
+                         ({"op": "hold", "ino": 1}, "unknown controller op 'hold'")):
+            with pytest.raises(RemoteError, match=f"MalformedMessage: {why}"):
+                await n1.control(bad)
+        assert c.meta.rows == {}
+        assert (await n1.control(join_body("n1")))["ok"]  # the connection and the controller go on
 
 
 async def test_wrong_secret_is_rejected():
-    async def main():
-        async with cluster() as c:
-            with pytest.raises(AuthFailed):
-                await c.connect("n1", WRONG)
-            assert c.meta.rows == {}
-
-    await main()
+    async with cluster() as c:
+        with pytest.raises(AuthFailed):
+            await c.connect("n1", WRONG)
+        assert c.meta.rows == {}
 
 
 # --- the CLI ------------------------------------------------------------------------------------
@@ -696,40 +626,34 @@ async def test_cli_serves_nodes_and_stops_on_sigterm(tmp_path):
 async def test_read_round_fetches_each_chunk_once_and_chains_every_reader():
     from aiturbofs.controller._reads import ReadRoundKeeper
 
-    async def main():
-        keeper = ReadRoundKeeper(FakeMeta(), members(3), backend_bw=10 * GB)
-        labels = [f"m{i}" for i in range(12)]
-        bodies = [body(n, labels, group="load", group_size=3, ino=7) for n in ("n1", "n2", "n3")]
-        for b in bodies:
-            b["op"] = "read_report"
-        answers = await report_all(keeper, bodies)
-        fetch = answers[0]["fetch_bytes"]
-        assert sum(fetch.values()) == 12 * CHUNK_BYTES  # every unique chunk from storage exactly once
-        assert sorted(fetch.values()) == [4 * CHUNK_BYTES] * 3  # spread evenly over the readers' S-NICs
-        for a in answers:
-            assert a["readers"] == 3 and a["files"] == 3
-            for idx, chain in a["chains"].items():
-                assert sorted(chain) == ["n1", "n2", "n3"], (idx, chain)
-        heads = collections.Counter(chain[0] for chain in answers[0]["chains"].values())
-        assert heads == {"n1": 4, "n2": 4, "n3": 4}
-
-    await main()
+    keeper = ReadRoundKeeper(FakeMeta(), members(3), backend_bw=10 * GB)
+    labels = [f"m{i}" for i in range(12)]
+    bodies = [body(n, labels, group="load", group_size=3, ino=7) for n in ("n1", "n2", "n3")]
+    for b in bodies:
+        b["op"] = "read_report"
+    answers = await report_all(keeper, bodies)
+    fetch = answers[0]["fetch_bytes"]
+    assert sum(fetch.values()) == 12 * CHUNK_BYTES  # every unique chunk from storage exactly once
+    assert sorted(fetch.values()) == [4 * CHUNK_BYTES] * 3  # spread evenly over the readers' S-NICs
+    for a in answers:
+        assert a["readers"] == 3 and a["files"] == 3
+        for idx, chain in a["chains"].items():
+            assert sorted(chain) == ["n1", "n2", "n3"], (idx, chain)
+    heads = collections.Counter(chain[0] for chain in answers[0]["chains"].values())
+    assert heads == {"n1": 4, "n2": 4, "n3": 4}
 
 
 async def test_read_round_head_is_a_reader_that_has_the_chunk():
     from aiturbofs.controller._reads import ReadRoundKeeper
 
-    async def main():
-        keeper = ReadRoundKeeper(FakeMeta(), members(2), backend_bw=10 * GB)
-        bodies = [body(n, ["a", "b", "c"], group="load", group_size=2, ino=9) for n in ("n1", "n2")]
-        for b in bodies:
-            b["op"] = "read_report"
-        bodies[1]["file"]["have"] = [0, 1, 2]  # n2 wrote it: all in its DRAM
-        answers = await report_all(keeper, bodies)
-        assert answers[0]["fetch_bytes"] == {}  # nothing from storage
-        assert all(chain == ["n2", "n1"] for chain in answers[0]["chains"].values())
-
-    await main()
+    keeper = ReadRoundKeeper(FakeMeta(), members(2), backend_bw=10 * GB)
+    bodies = [body(n, ["a", "b", "c"], group="load", group_size=2, ino=9) for n in ("n1", "n2")]
+    for b in bodies:
+        b["op"] = "read_report"
+    bodies[1]["file"]["have"] = [0, 1, 2]  # n2 wrote it: all in its DRAM
+    answers = await report_all(keeper, bodies)
+    assert answers[0]["fetch_bytes"] == {}  # nothing from storage
+    assert all(chain == ["n2", "n1"] for chain in answers[0]["chains"].values())
 
 
 async def test_autogroup_first_reader_reads_at_once_and_heads_what_it_fetched_alone():
@@ -739,37 +663,34 @@ async def test_autogroup_first_reader_reads_at_once_and_heads_what_it_fetched_al
     The round closes after the window, or at once when every live node reported."""
     from aiturbofs.controller._reads import AUTO_PREFIX, ReadRoundKeeper
 
-    async def main():
-        keeper = ReadRoundKeeper(FakeMeta(), members(4, snic=CHUNK_BYTES), backend_bw=10 * GB)  # one chunk/s
-        group = f"{AUTO_PREFIX}7:1:etag"
-        assert keeper.join("n2", group) == FirstReader(first=True)
-        assert keeper.join("n2", group) == FirstReader(first=True)  # asked again: still the first
-        assert keeper.join("n1", group) == FirstReader(first=False)
-        assert keeper.join("n3", group) == FirstReader(first=False)
-        with pytest.raises(InvalidArgument):
-            keeper.join("n1", "job")  # tagged groups do not join
-        labels = [f"m{i}" for i in range(16)]
-        bodies = [body(n, labels, group=group, ino=7) for n in ("n2", "n1", "n3")]
-        for b in bodies:
-            b["op"] = "read_report"
-        start = trio.current_time()
-        answers = await report_all(keeper, bodies)
-        waited = trio.current_time() - start
-        assert AUTOGROUP_WINDOW_S <= waited < AUTOGROUP_WINDOW_S + 1, waited  # the round closed by its window
-        head_start = int(waited) + 1 + READ_AHEAD_CHUNKS  # chunks n2 may have fetched alone
-        chains = answers[0]["chains"]
-        assert all(chains[str(i)][0] == "n2" for i in range(head_start)), chains
-        fetch = answers[0]["fetch_bytes"]
-        assert sum(fetch.values()) == (16 - head_start) * CHUNK_BYTES  # the rest once each, spread
-        assert set(fetch) == {"n1", "n2", "n3"}
-        await trio.sleep(AUTOGROUP_WINDOW_S + 0.1)
-        assert keeper.join("n3", group) == FirstReader(first=True)  # a new window, a new first reader
-        # every live node reads it: the round closes at once, nobody else can come
-        everyone = [body(n, labels, group=group, ino=7) for n in ("n3", "n1", "n2", "n4")]
-        for b in everyone:
-            b["op"] = "read_report"
-        start = trio.current_time()
-        answers = await report_all(keeper, everyone)
-        assert trio.current_time() - start < AUTOGROUP_WINDOW_S / 2 and answers[0]["readers"] == 4
-
-    await main()
+    keeper = ReadRoundKeeper(FakeMeta(), members(4, snic=CHUNK_BYTES), backend_bw=10 * GB)  # one chunk/s
+    group = f"{AUTO_PREFIX}7:1:etag"
+    assert keeper.join("n2", group) == FirstReader(first=True)
+    assert keeper.join("n2", group) == FirstReader(first=True)  # asked again: still the first
+    assert keeper.join("n1", group) == FirstReader(first=False)
+    assert keeper.join("n3", group) == FirstReader(first=False)
+    with pytest.raises(InvalidArgument):
+        keeper.join("n1", "job")  # tagged groups do not join
+    labels = [f"m{i}" for i in range(16)]
+    bodies = [body(n, labels, group=group, ino=7) for n in ("n2", "n1", "n3")]
+    for b in bodies:
+        b["op"] = "read_report"
+    start = trio.current_time()
+    answers = await report_all(keeper, bodies)
+    waited = trio.current_time() - start
+    assert AUTOGROUP_WINDOW_S <= waited < AUTOGROUP_WINDOW_S + 1, waited  # the round closed by its window
+    head_start = int(waited) + 1 + READ_AHEAD_CHUNKS  # chunks n2 may have fetched alone
+    chains = answers[0]["chains"]
+    assert all(chains[str(i)][0] == "n2" for i in range(head_start)), chains
+    fetch = answers[0]["fetch_bytes"]
+    assert sum(fetch.values()) == (16 - head_start) * CHUNK_BYTES  # the rest once each, spread
+    assert set(fetch) == {"n1", "n2", "n3"}
+    await trio.sleep(AUTOGROUP_WINDOW_S + 0.1)
+    assert keeper.join("n3", group) == FirstReader(first=True)  # a new window, a new first reader
+    # every live node reads it: the round closes at once, nobody else can come
+    everyone = [body(n, labels, group=group, ino=7) for n in ("n3", "n1", "n2", "n4")]
+    for b in everyone:
+        b["op"] = "read_report"
+    start = trio.current_time()
+    answers = await report_all(keeper, everyone)
+    assert trio.current_time() - start < AUTOGROUP_WINDOW_S / 2 and answers[0]["readers"] == 4

@@ -645,22 +645,19 @@ async def _reader_of(raw: bytes) -> FrameReader:
 
 
 async def test_oversized_length_prefix_allocates_nothing():
-    async def main():
-        for ftype in (FrameType.CHUNK, FrameType.CONTROL, FrameType.ERROR, FrameType.PING):
-            reader = await _reader_of(header(ftype, 0xFFFFFFFF) + b"\0" * 64)
-            tracemalloc.start()
-            try:
-                with pytest.raises(PeerBroken, match="outside its bounds"):
-                    await reader.receive()
-                _, peak = tracemalloc.get_traced_memory()
-            finally:
-                tracemalloc.stop()
-            assert peak < 64 * 1024, peak
-        reader = await _reader_of(header(FrameType.CHUNK, FABRIC_FRAME_BYTES_MAX + 1))
-        with pytest.raises(PeerBroken):
-            await reader.receive()
-
-    await main()
+    for ftype in (FrameType.CHUNK, FrameType.CONTROL, FrameType.ERROR, FrameType.PING):
+        reader = await _reader_of(header(ftype, 0xFFFFFFFF) + b"\0" * 64)
+        tracemalloc.start()
+        try:
+            with pytest.raises(PeerBroken, match="outside its bounds"):
+                await reader.receive()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 64 * 1024, peak
+    reader = await _reader_of(header(FrameType.CHUNK, FABRIC_FRAME_BYTES_MAX + 1))
+    with pytest.raises(PeerBroken):
+        await reader.receive()
 
 
 @pytest.mark.parametrize(
@@ -676,11 +673,8 @@ async def test_oversized_length_prefix_allocates_nothing():
     ],
 )
 async def test_malformed_frames(raw, message):
-    async def main():
-        with pytest.raises(PeerBroken, match=message):
-            await (await _reader_of(raw)).receive()
-
-    await main()
+    with pytest.raises(PeerBroken, match=message):
+        await (await _reader_of(raw)).receive()
 
 
 def _into(stream):
@@ -696,34 +690,28 @@ def _into(stream):
 
 @pytest.mark.parametrize("zero_copy", [False, True])
 async def test_frames_round_trip_and_clean_eof(zero_copy):
-    async def main():
-        key, data = keyed(os.urandom(CHUNK_BYTES))  # header and body are sent apart, and read apart
-        send, receive = trio.testing.memory_stream_pair()
-        await send_frame(send, FrameType.PUT_CHUNK, 9, key, data)
-        await send_frame(send, FrameType.PING, 10)
-        await send_frame(send, FrameType.CHUNK, 11, key, data[:1000])
-        await send.aclose()
-        reader = FrameReader(receive, _into(receive) if zero_copy else None)
-        frame = await reader.receive()
-        assert (frame.type, frame.request_id, frame.key, frame.body) == (FrameType.PUT_CHUNK, 9, key, data)
-        assert (await reader.receive()).type == FrameType.PING
-        assert (await reader.receive()).body == data[:1000]
-        assert await reader.receive() is None
-
-    await main()
+    key, data = keyed(os.urandom(CHUNK_BYTES))  # header and body are sent apart, and read apart
+    send, receive = trio.testing.memory_stream_pair()
+    await send_frame(send, FrameType.PUT_CHUNK, 9, key, data)
+    await send_frame(send, FrameType.PING, 10)
+    await send_frame(send, FrameType.CHUNK, 11, key, data[:1000])
+    await send.aclose()
+    reader = FrameReader(receive, _into(receive) if zero_copy else None)
+    frame = await reader.receive()
+    assert (frame.type, frame.request_id, frame.key, frame.body) == (FrameType.PUT_CHUNK, 9, key, data)
+    assert (await reader.receive()).type == FrameType.PING
+    assert (await reader.receive()).body == data[:1000]
+    assert await reader.receive() is None
 
 
 @pytest.mark.parametrize("zero_copy", [False, True])
 async def test_stream_ending_inside_a_big_frame(zero_copy):
-    async def main():
-        send, receive = trio.testing.memory_stream_pair()
-        await send.send_all(header(FrameType.CHUNK, 32 + CHUNK_BYTES) + bytes(32 + 1000))
-        await send.aclose()
-        reader = FrameReader(receive, _into(receive) if zero_copy else None)
-        with pytest.raises(PeerBroken, match=f"1000 of {CHUNK_BYTES} bytes"):
-            await reader.receive()
-
-    await main()
+    send, receive = trio.testing.memory_stream_pair()
+    await send.send_all(header(FrameType.CHUNK, 32 + CHUNK_BYTES) + bytes(32 + 1000))
+    await send.aclose()
+    reader = FrameReader(receive, _into(receive) if zero_copy else None)
+    with pytest.raises(PeerBroken, match=f"1000 of {CHUNK_BYTES} bytes"):
+        await reader.receive()
 
 
 # --- the secret file ------------------------------------------------------------------------
@@ -764,44 +752,39 @@ def test_transport_refuses_a_short_secret():
 
 
 async def test_slot_pool_bookkeeping():
-    async def main():
-        memory = memoryview(bytearray(3 * 16))
-        pool = SlotPool(memory, 3, 16)
-        taken = [await pool.acquire() for _ in range(3)]
-        assert pool.free == 0 and sorted(s.index for s in taken) == [0, 1, 2]
-        assert [s.offset for s in pool.slots] == [0, 16, 32] and all(len(s.view) == 16 for s in pool.slots)
-        taken[1].view[:] = b"x" * 16
-        assert bytes(memory[16:32]) == b"x" * 16  # a slot is a window on the registered memory
-        waiters = []
-
-        async def wait(n):
-            waiters.append((n, await pool.acquire()))
-
-        async with trio.open_nursery() as nursery:
-            for n in range(2):
-                nursery.start_soon(wait, n)
-                await trio.testing.wait_all_tasks_blocked()
-            for slot in (taken[0], taken[2]):
-                pool.release(slot)
-                await trio.testing.wait_all_tasks_blocked()
-        assert [n for n, _ in waiters] == [0, 1]  # first come, first served
-        with trio.move_on_after(0.05) as scope:  # cancelling a wait takes nothing
-            await pool.acquire()
-        assert scope.cancelled_caught and pool.free == 0
-        taken[1].in_flight = True
-        with pytest.raises(AssertionError, match="work request"):
-            pool.release(taken[1])  # a work request may still write it
-        taken[1].in_flight = False
-        pool.release(taken[1])
-        with pytest.raises(AssertionError, match="twice"):
-            pool.release(taken[1])
-        with pytest.raises(AssertionError, match="another pool"):
-            SlotPool(memoryview(bytearray(16)), 1, 16).release(taken[1])
-        for _, slot in waiters:
+    memory = memoryview(bytearray(3 * 16))
+    pool = SlotPool(memory, 3, 16)
+    taken = [await pool.acquire() for _ in range(3)]
+    assert pool.free == 0 and sorted(s.index for s in taken) == [0, 1, 2]
+    assert [s.offset for s in pool.slots] == [0, 16, 32] and all(len(s.view) == 16 for s in pool.slots)
+    taken[1].view[:] = b"x" * 16
+    assert bytes(memory[16:32]) == b"x" * 16  # a slot is a window on the registered memory
+    waiters = []
+    async def wait(n):
+        waiters.append((n, await pool.acquire()))
+    async with trio.open_nursery() as nursery:
+        for n in range(2):
+            nursery.start_soon(wait, n)
+            await trio.testing.wait_all_tasks_blocked()
+        for slot in (taken[0], taken[2]):
             pool.release(slot)
-        assert pool.free == 3
-
-    await main()
+            await trio.testing.wait_all_tasks_blocked()
+    assert [n for n, _ in waiters] == [0, 1]  # first come, first served
+    with trio.move_on_after(0.05) as scope:  # cancelling a wait takes nothing
+        await pool.acquire()
+    assert scope.cancelled_caught and pool.free == 0
+    taken[1].in_flight = True
+    with pytest.raises(AssertionError, match="work request"):
+        pool.release(taken[1])  # a work request may still write it
+    taken[1].in_flight = False
+    pool.release(taken[1])
+    with pytest.raises(AssertionError, match="twice"):
+        pool.release(taken[1])
+    with pytest.raises(AssertionError, match="another pool"):
+        SlotPool(memoryview(bytearray(16)), 1, 16).release(taken[1])
+    for _, slot in waiters:
+        pool.release(slot)
+    assert pool.free == 3
 
 
 QP = QpAddress(qpn=0x1234, psn=0xABCDE, lid=0, gid=bytes.fromhex("fe80000000000000" "0011223344556677"), mtu=5, rd_atomic=16)
@@ -884,20 +867,17 @@ async def settled(server, client, *, qps_left=0):
 
 
 async def test_rdma_is_set_up_on_first_chunk_call_only():
-    async def main():
-        async with rdma_pair(Store()) as (server, client, peer):
-            assert await peer.control({"op": "hello"})
-            await peer.ping()
-            assert peer.payload_path is None and client._qps == 0 and server._qps == 0  # control alone needs no QP
-            key, data = keyed(os.urandom(FABRIC_RDMA_PAYLOAD_BYTES_MIN))
-            assert await peer.put_chunk(key, data)
-            assert peer.payload_path == "rdma" and client._qps == 1 and server._qps == 1
-            assert peer.counters.rdma_bytes == len(data)
-            small = keyed(b"tiny")  # below FABRIC_RDMA_PAYLOAD_BYTES_MIN: rides in the TCP frame
-            assert await peer.put_chunk(*small)
-            assert await peer.get_chunk(small[0]) == b"tiny" and peer.counters.rdma_bytes == len(data)
-
-    await main()
+    async with rdma_pair(Store()) as (server, client, peer):
+        assert await peer.control({"op": "hello"})
+        await peer.ping()
+        assert peer.payload_path is None and client._qps == 0 and server._qps == 0  # control alone needs no QP
+        key, data = keyed(os.urandom(FABRIC_RDMA_PAYLOAD_BYTES_MIN))
+        assert await peer.put_chunk(key, data)
+        assert peer.payload_path == "rdma" and client._qps == 1 and server._qps == 1
+        assert peer.counters.rdma_bytes == len(data)
+        small = keyed(b"tiny")  # below FABRIC_RDMA_PAYLOAD_BYTES_MIN: rides in the TCP frame
+        assert await peer.put_chunk(*small)
+        assert await peer.get_chunk(small[0]) == b"tiny" and peer.counters.rdma_bytes == len(data)
 
 
 async def test_rdma_client_falls_back_to_tcp_with_a_tcp_server(caplog):
@@ -939,140 +919,115 @@ async def test_failed_path_check_falls_back_to_tcp(caplog):
 
 
 async def test_many_transfers_share_few_slots():
-    async def main():
-        store = Store()
-        chunks = [keyed(os.urandom(FABRIC_RDMA_PAYLOAD_BYTES_MIN + 1000 * i)) for i in range(12)]
-        server = RdmaTransport("server", SECRET, host="127.0.0.1", port=0, device=LoopbackDevice(channel=False), slots=2)
-        async with rdma_pair(store, server=server, slots=3) as (server, client, peer):
-            async with trio.open_nursery() as nursery:
-                for key, data in chunks:
-                    nursery.start_soon(peer.put_chunk, key, data)
-            assert store.chunks == dict(chunks)
-            got = {}
-
-            async def get(key):
-                got[key] = await peer.get_chunk(key)
-
-            async with trio.open_nursery() as nursery:
-                for key, _ in chunks:
-                    nursery.start_soon(get, key)
-            assert got == dict(chunks)
-            assert peer.counters.rdma_bytes == 2 * sum(len(d) for _, d in chunks)
-            await settled(server, client, qps_left=1)
-
-    await main()
+    store = Store()
+    chunks = [keyed(os.urandom(FABRIC_RDMA_PAYLOAD_BYTES_MIN + 1000 * i)) for i in range(12)]
+    server = RdmaTransport("server", SECRET, host="127.0.0.1", port=0, device=LoopbackDevice(channel=False), slots=2)
+    async with rdma_pair(store, server=server, slots=3) as (server, client, peer):
+        async with trio.open_nursery() as nursery:
+            for key, data in chunks:
+                nursery.start_soon(peer.put_chunk, key, data)
+        assert store.chunks == dict(chunks)
+        got = {}
+        async def get(key):
+            got[key] = await peer.get_chunk(key)
+        async with trio.open_nursery() as nursery:
+            for key, _ in chunks:
+                nursery.start_soon(get, key)
+        assert got == dict(chunks)
+        assert peer.counters.rdma_bytes == 2 * sum(len(d) for _, d in chunks)
+        await settled(server, client, qps_left=1)
 
 
 async def test_cancelled_get_keeps_its_slot_lent_until_the_reply():
     """The server may still write into the slot of an abandoned call: it is not reused before the reply."""
 
-    async def main():
-        release = trio.Event()
-        big = keyed(os.urandom(FABRIC_RDMA_PAYLOAD_BYTES_MIN))
-
-        class Slow(Store):
-            async def get_chunk(self, peer, key):
-                await release.wait()
-                return await super().get_chunk(peer, key)
-
-        store = Slow()
-        store.chunks.update([big])
-        async with rdma_pair(store) as (_, client, peer):
-            assert await peer.put_chunk(*big)  # sets RDMA up
-            pool = client._lent_slots
-            with trio.move_on_after(0.2):  # our own cancel scope: abandons the call, judges nobody
-                await peer.get_chunk(big[0])
-            assert peer.state == "open" and pool.free == pool.count - 1 and len(peer._orphans) == 1
-            release.set()
-            with trio.fail_after(5):
-                while pool.free < pool.count:
-                    await trio.sleep(0.01)  # the late reply freed it
-            assert await peer.get_chunk(big[0]) == big[1]
-
-    await main()
+    release = trio.Event()
+    big = keyed(os.urandom(FABRIC_RDMA_PAYLOAD_BYTES_MIN))
+    class Slow(Store):
+        async def get_chunk(self, peer, key):
+            await release.wait()
+            return await super().get_chunk(peer, key)
+    store = Slow()
+    store.chunks.update([big])
+    async with rdma_pair(store) as (_, client, peer):
+        assert await peer.put_chunk(*big)  # sets RDMA up
+        pool = client._lent_slots
+        with trio.move_on_after(0.2):  # our own cancel scope: abandons the call, judges nobody
+            await peer.get_chunk(big[0])
+        assert peer.state == "open" and pool.free == pool.count - 1 and len(peer._orphans) == 1
+        release.set()
+        with trio.fail_after(5):
+            while pool.free < pool.count:
+                await trio.sleep(0.01)  # the late reply freed it
+        assert await peer.get_chunk(big[0]) == big[1]
 
 
 async def test_stuck_work_request_breaks_the_connection_and_frees_its_slot():
-    async def main():
-        device = LoopbackDevice()
-        store = Store()
-        big = keyed(os.urandom(CHUNK_BYTES))
-        store.chunks.update([big])
-        async with rdma_pair(store, server_device=device) as (server, client, peer):
-            assert await peer.get_chunk(big[0]) == big[1]
-            device.stall = True  # the server's next RDMA WRITE never completes
-            with pytest.raises(PeerBroken, match="no reply"):
-                await peer.get_chunk(big[0], timeout=0.5)
-            with pytest.raises(PeerBroken):
-                await peer.ping()
-            await settled(server, client)  # the parked slot came back once the queue pair was gone
-
-    await main()
+    device = LoopbackDevice()
+    store = Store()
+    big = keyed(os.urandom(CHUNK_BYTES))
+    store.chunks.update([big])
+    async with rdma_pair(store, server_device=device) as (server, client, peer):
+        assert await peer.get_chunk(big[0]) == big[1]
+        device.stall = True  # the server's next RDMA WRITE never completes
+        with pytest.raises(PeerBroken, match="no reply"):
+            await peer.get_chunk(big[0], timeout=0.5)
+        with pytest.raises(PeerBroken):
+            await peer.ping()
+        await settled(server, client)  # the parked slot came back once the queue pair was gone
 
 
 async def test_queue_pair_error_breaks_the_connection():
-    async def main():
-        store = Store()
-        big = keyed(os.urandom(CHUNK_BYTES))
-        store.chunks.update([big])
-        async with rdma_pair(store) as (server, client, peer):
-            assert await peer.get_chunk(big[0]) == big[1]
-            peer._qp.state = "error"  # the client's queue pair failed: the server's WRITE cannot land
-            with pytest.raises(PeerBroken, match="RETRY_EXC_ERR"):
-                await peer.get_chunk(big[0])
-            assert peer.state == "broken"
-            await settled(server, client)
-
-    await main()
+    store = Store()
+    big = keyed(os.urandom(CHUNK_BYTES))
+    store.chunks.update([big])
+    async with rdma_pair(store) as (server, client, peer):
+        assert await peer.get_chunk(big[0]) == big[1]
+        peer._qp.state = "error"  # the client's queue pair failed: the server's WRITE cannot land
+        with pytest.raises(PeerBroken, match="RETRY_EXC_ERR"):
+            await peer.get_chunk(big[0])
+        assert peer.state == "broken"
+        await settled(server, client)
 
 
 async def test_bad_slot_reference_drops_the_connection(monkeypatch):
-    async def main():
-        store = Store()
-        big = keyed(os.urandom(CHUNK_BYTES))
-        store.chunks.update([big])
-        async with rdma_pair(store) as (server, client, peer):
-            assert await peer.get_chunk(big[0]) == big[1]
-            monkeypatch.setattr(_rdma_client, "encode_slot", lambda index: encode_slot(client._lent.slots))
-            with pytest.raises(PeerBroken, match="slot 16 is not one of the 16 lent"):
-                await peer.get_chunk(big[0])
-            await settled(server, client)
-
-    await main()
+    store = Store()
+    big = keyed(os.urandom(CHUNK_BYTES))
+    store.chunks.update([big])
+    async with rdma_pair(store) as (server, client, peer):
+        assert await peer.get_chunk(big[0]) == big[1]
+        monkeypatch.setattr(_rdma_client, "encode_slot", lambda index: encode_slot(client._lent.slots))
+        with pytest.raises(PeerBroken, match="slot 16 is not one of the 16 lent"):
+            await peer.get_chunk(big[0])
+        await settled(server, client)
 
 
 async def test_rdma_frames_without_rdma_drop_the_connection():
-    async def main():
-        async with rdma_pair(Store()) as (server, client, peer):
-            with pytest.raises(PeerBroken, match="GET_CHUNK_RDMA before RDMA_CONNECT"):
-                await peer._call(FrameType.GET_CHUNK_RDMA, chunk.digest(b"x"), encode_slot(0), 5, {FrameType.CHUNK_RDMA})
-        async with TcpTransport("server", SECRET, host="127.0.0.1", port=0) as server, trio.open_nursery() as nursery:
-            address = await nursery.start(server.serve, Store())
-            async with TcpTransport("client", SECRET, host="127.0.0.1", port=0) as client:
-                peer = await client.connect(address)
-                with pytest.raises(RemoteError, match="has no RDMA"):
-                    await peer._call(FrameType.RDMA_CONNECT, b"", encode_endpoint(QP, LENT), 5, {FrameType.RDMA_ACCEPT})
-                await peer.ping()  # a refusal, not a failure
-                with pytest.raises(PeerBroken, match="without RDMA"):
-                    await peer._call(FrameType.PUT_CHUNK_RDMA, chunk.digest(b"x"), encode_slot_length(0, 1), 5, {FrameType.ACK})
-            nursery.cancel_scope.cancel()
-
-    await main()
+    async with rdma_pair(Store()) as (server, client, peer):
+        with pytest.raises(PeerBroken, match="GET_CHUNK_RDMA before RDMA_CONNECT"):
+            await peer._call(FrameType.GET_CHUNK_RDMA, chunk.digest(b"x"), encode_slot(0), 5, {FrameType.CHUNK_RDMA})
+    async with TcpTransport("server", SECRET, host="127.0.0.1", port=0) as server, trio.open_nursery() as nursery:
+        address = await nursery.start(server.serve, Store())
+        async with TcpTransport("client", SECRET, host="127.0.0.1", port=0) as client:
+            peer = await client.connect(address)
+            with pytest.raises(RemoteError, match="has no RDMA"):
+                await peer._call(FrameType.RDMA_CONNECT, b"", encode_endpoint(QP, LENT), 5, {FrameType.RDMA_ACCEPT})
+            await peer.ping()  # a refusal, not a failure
+            with pytest.raises(PeerBroken, match="without RDMA"):
+                await peer._call(FrameType.PUT_CHUNK_RDMA, chunk.digest(b"x"), encode_slot_length(0, 1), 5, {FrameType.ACK})
+        nursery.cancel_scope.cancel()
 
 
 async def test_served_memory_is_not_reachable_by_peers():
     """A client's queue pair can reach nothing of the server's: only servers move bytes, into lent memory."""
 
-    async def main():
-        async with rdma_pair(Store()) as (server, client, peer):
-            assert await peer.put_chunk(*keyed(os.urandom(CHUNK_BYTES)))
-            for region in (server._own_region, server._lent_region):  # served from; lent by the server for its own calls
-                peer._qp.post(99, Op.READ, client._own_region, 0, 16, region.addr, region.rkey)
-                (completion,) = client._device.poll(16)
-                assert completion.wr_id == 99 and "REM_ACCESS_ERR" in completion.error
-                peer._qp.state = "rts"
-
-    await main()
+    async with rdma_pair(Store()) as (server, client, peer):
+        assert await peer.put_chunk(*keyed(os.urandom(CHUNK_BYTES)))
+        for region in (server._own_region, server._lent_region):  # served from; lent by the server for its own calls
+            peer._qp.post(99, Op.READ, client._own_region, 0, 16, region.addr, region.rkey)
+            (completion,) = client._device.poll(16)
+            assert completion.wr_id == 99 and "REM_ACCESS_ERR" in completion.error
+            peer._qp.state = "rts"
 
 
 def _pyverbs_or_skip():
@@ -1169,11 +1124,8 @@ def test_auto_with_an_unusable_device_is_tcp(monkeypatch, caplog):
 
 
 async def test_rdma_transport_runs_on_a_given_device(caplog):
-    async def main():
-        transport = RdmaTransport("n1", SECRET, host="127.0.0.1", port=0, device=LoopbackDevice("rxe9"))
-        assert transport.kind == "rdma" and transport.device_name.startswith("rxe9")
-        async with transport:
-            pass
-        assert transport._device.closed
-
-    await main()
+    transport = RdmaTransport("n1", SECRET, host="127.0.0.1", port=0, device=LoopbackDevice("rxe9"))
+    assert transport.kind == "rdma" and transport.device_name.startswith("rxe9")
+    async with transport:
+        pass
+    assert transport._device.closed

@@ -579,44 +579,41 @@ async def test_a_late_deferral_leaves_the_object_another_file_moved_in(tmp_path)
 
     (tmp_path / "backend").mkdir()
 
-    async def main():
-        meta = open_meta(f"sqlite://{tmp_path}/meta.db")
-        await meta.init(root_uid=0, root_gid=0, root_mode=0o755)
-        backend = await open_backend(f"file://{tmp_path}/backend")
-        inos = {}
-        for name, body in ((b"a", b"A" * 10), (b"b", b"B" * 20)):
-            (tmp_path / "backend" / name.decode()).write_bytes(body)
-            row = await meta.create(ROOT_INO, name, InodeRow(0, 0o100644, 0, 0, len(body), 1, 0, 0, 0))
-            await meta.set_state(row.ino, STATE_DURABLE, backend_keys=[name.decode()], persisted_version=row.version)
-            inos[name] = row.ino
-        a, b = inos[b"a"], inos[b"b"]
-        host = fake_fs(meta)
-        host.backend = backend
-        host.notify_state = lambda ino: None
-        p = Persister(host)
-        rec = p.reconciler
-        await meta.rename(ROOT_INO, b"a", ROOT_INO, b"b", exchange=True)
-        p.enqueue(a, moved=True)
-        p.enqueue(b, moved=True)
-        # b's job finds its new name "a" still holding a's object: it will wait.
-        p.running.add(b)
-        rec.job_started(b)
-        row_b = await meta.get_inode(b)
-        assert not await rec._relocate(row_b, ["a"])
-        # Before it defers, b is unlinked, and a's job moves a's object onto "b".
-        await meta.unlink(ROOT_INO, b"a")
-        p.running.add(a)
-        rec.job_started(a)
-        assert await rec._relocate(await meta.get_inode(a), ["b"])
-        p.running.discard(a)
-        rec.job_ended(a, again=False)
-        await rec._defer(row_b, ["a"])
-        assert (tmp_path / "backend" / "b").read_bytes() == b"A" * 10
-        assert (await meta.get_inode(a)).backend_keys == ["b"]
-        assert "b" not in (await meta.get_inode(b)).backend_keys  # its object there is gone
-        await meta.close()
-
-    await main()
+    meta = open_meta(f"sqlite://{tmp_path}/meta.db")
+    await meta.init(root_uid=0, root_gid=0, root_mode=0o755)
+    backend = await open_backend(f"file://{tmp_path}/backend")
+    inos = {}
+    for name, body in ((b"a", b"A" * 10), (b"b", b"B" * 20)):
+        (tmp_path / "backend" / name.decode()).write_bytes(body)
+        row = await meta.create(ROOT_INO, name, InodeRow(0, 0o100644, 0, 0, len(body), 1, 0, 0, 0))
+        await meta.set_state(row.ino, STATE_DURABLE, backend_keys=[name.decode()], persisted_version=row.version)
+        inos[name] = row.ino
+    a, b = inos[b"a"], inos[b"b"]
+    host = fake_fs(meta)
+    host.backend = backend
+    host.notify_state = lambda ino: None
+    p = Persister(host)
+    rec = p.reconciler
+    await meta.rename(ROOT_INO, b"a", ROOT_INO, b"b", exchange=True)
+    p.enqueue(a, moved=True)
+    p.enqueue(b, moved=True)
+    # b's job finds its new name "a" still holding a's object: it will wait.
+    p.running.add(b)
+    rec.job_started(b)
+    row_b = await meta.get_inode(b)
+    assert not await rec._relocate(row_b, ["a"])
+    # Before it defers, b is unlinked, and a's job moves a's object onto "b".
+    await meta.unlink(ROOT_INO, b"a")
+    p.running.add(a)
+    rec.job_started(a)
+    assert await rec._relocate(await meta.get_inode(a), ["b"])
+    p.running.discard(a)
+    rec.job_ended(a, again=False)
+    await rec._defer(row_b, ["a"])
+    assert (tmp_path / "backend" / "b").read_bytes() == b"A" * 10
+    assert (await meta.get_inode(a)).backend_keys == ["b"]
+    assert "b" not in (await meta.get_inode(b)).backend_keys  # its object there is gone
+    await meta.close()
 
 
 async def _attrs_persister(tmp_path, data: bytes, *, durable: bool):
@@ -647,21 +644,16 @@ async def _attrs_persister(tmp_path, data: bytes, *, durable: bool):
 
 async def test_a_chmod_of_a_durable_file_that_cannot_reach_the_backend_leaves_it_durable(tmp_path):
     """Only its attributes are missing there: never ``broken`` (reads would get EIO)."""
-    async def main():
-        p, meta, ino = await _attrs_persister(tmp_path, b"data", durable=True)
-        await meta.set_attrs(ino, mode=0o100600)
-
-        async def unavailable(key, attrs):
-            raise TransientBackendError("no answer")
-
-        p.backend.set_attrs = unavailable
-        await p._persist_one(ino)  # retry window 0: given up at once
-        row = await meta.get_inode(ino)
-        assert (row.state, p.stats.files_broken) == ("durable", 0)
-        assert p.attrs_pending(row)  # asked again at the next change or state query
-        await meta.close()
-
-    await main()
+    p, meta, ino = await _attrs_persister(tmp_path, b"data", durable=True)
+    await meta.set_attrs(ino, mode=0o100600)
+    async def unavailable(key, attrs):
+        raise TransientBackendError("no answer")
+    p.backend.set_attrs = unavailable
+    await p._persist_one(ino)  # retry window 0: given up at once
+    row = await meta.get_inode(ino)
+    assert (row.state, p.stats.files_broken) == ("durable", 0)
+    assert p.attrs_pending(row)  # asked again at the next change or state query
+    await meta.close()
 
 
 async def test_a_chmod_landing_after_the_upload_read_the_attributes_is_pushed_after_it(tmp_path):
@@ -669,33 +661,26 @@ async def test_a_chmod_landing_after_the_upload_read_the_attributes_is_pushed_af
     that (before the file is marked durable) is given to the object by the same job."""
     data = b"x" * 1000
 
-    async def main():
-        p, meta, ino = await _attrs_persister(tmp_path, data, durable=False)
-        real_open_upload = p.backend.open_upload
-
-        async def send(row, key):
-            upload = await real_open_upload(key)
-            await upload.write_part(0, data)
-            real_complete = upload.complete
-
-            async def complete(size, *, attrs=None):
-                assert attrs is not None and attrs.mode == 0o100644
-                await meta.set_attrs(ino, mode=0o100600, mtime_ns=7)  # the race
-                return await real_complete(size, attrs=attrs)
-
-            upload.complete = complete
-            return upload
-
-        p.uploads.send = send
-        await p._persist_one(ino)
-        st = os.stat(tmp_path / "backend" / "f")
-        assert (st.st_mode, st.st_mtime_ns) == (0o100600, 7)
-        row = await meta.get_inode(ino)
-        assert row.state == "durable" and row.persisted_attrs == row.attrs()
-        assert (p.stats.files_durable, p.stats.attrs_persisted) == (1, 1)
-        await meta.close()
-
-    await main()
+    p, meta, ino = await _attrs_persister(tmp_path, data, durable=False)
+    real_open_upload = p.backend.open_upload
+    async def send(row, key):
+        upload = await real_open_upload(key)
+        await upload.write_part(0, data)
+        real_complete = upload.complete
+        async def complete(size, *, attrs=None):
+            assert attrs is not None and attrs.mode == 0o100644
+            await meta.set_attrs(ino, mode=0o100600, mtime_ns=7)  # the race
+            return await real_complete(size, attrs=attrs)
+        upload.complete = complete
+        return upload
+    p.uploads.send = send
+    await p._persist_one(ino)
+    st = os.stat(tmp_path / "backend" / "f")
+    assert (st.st_mode, st.st_mtime_ns) == (0o100600, 7)
+    row = await meta.get_inode(ino)
+    assert row.state == "durable" and row.persisted_attrs == row.attrs()
+    assert (p.stats.files_durable, p.stats.attrs_persisted) == (1, 1)
+    await meta.close()
 
 
 async def test_a_file_queued_while_files_in_flight_wait_gets_a_spare_upload():
@@ -750,27 +735,22 @@ async def test_a_read_finds_an_object_moved_to_a_name_it_no_longer_has(tmp_path)
         async def paths_of(self, ino):
             return ["c", "d"]  # renamed twice more meanwhile
 
-    async def main():
-        backend = await open_backend(f"file://{tmp_path}/backend")
-        health = SimpleNamespace(available=True, mark_up=lambda: None, mark_down=lambda why: None)
-        store = ChunkStore(Meta(), backend, None, SingleNode(), health, record_error=print)
-        ns_lock = store.ns_lock
-        moved = trio.Event()
-
-        async def persister_moves():
-            async with ns_lock:
-                await backend.move("a", "b")  # the move the first rename asked for ...
-                moved.set()
-                await trio.sleep(0.2)
-                row.backend_keys = ["b"]  # ... and its keys, recorded under the same lock
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(persister_moves)
-            await moved.wait()
-            data = await store.fetch(5, 0, chunk.content_key(body), len(body), SimpleNamespace(**vars(row)))
-        assert data == body
-
-    await main()
+    backend = await open_backend(f"file://{tmp_path}/backend")
+    health = SimpleNamespace(available=True, mark_up=lambda: None, mark_down=lambda why: None)
+    store = ChunkStore(Meta(), backend, None, SingleNode(), health, record_error=print)
+    ns_lock = store.ns_lock
+    moved = trio.Event()
+    async def persister_moves():
+        async with ns_lock:
+            await backend.move("a", "b")  # the move the first rename asked for ...
+            moved.set()
+            await trio.sleep(0.2)
+            row.backend_keys = ["b"]  # ... and its keys, recorded under the same lock
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(persister_moves)
+        await moved.wait()
+        data = await store.fetch(5, 0, chunk.content_key(body), len(body), SimpleNamespace(**vars(row)))
+    assert data == body
 
 
 def test_directory_cleanups_are_bounded_and_deduplicated(caplog):

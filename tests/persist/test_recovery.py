@@ -682,14 +682,11 @@ async def test_concurrent_spills_of_one_chunk_leave_a_whole_file(tmp_path):
     data = secrets.token_bytes(CHUNK)
     key = chunk.digest(data)
 
-    async def main():
-        for _ in range(10):
-            store = SpillStore(str(tmp_path / "spill"))
-            async with trio.open_nursery() as nursery:
-                for _ in range(2):
-                    nursery.start_soon(store.write, key, data)
-            assert await store.read(key) == data
-            assert os.listdir(tmp_path / "spill") == [key.hex()]
-            store.discard(key)
-
-    await main()
+    for _ in range(10):
+        store = SpillStore(str(tmp_path / "spill"))
+        async with trio.open_nursery() as nursery:
+            for _ in range(2):
+                nursery.start_soon(store.write, key, data)
+        assert await store.read(key) == data
+        assert os.listdir(tmp_path / "spill") == [key.hex()]
+        store.discard(key)

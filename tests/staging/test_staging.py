@@ -28,89 +28,72 @@ async def _sealed(pool: StagingPool, fill: int) -> bytes:
 
 
 async def test_dedup_shares_one_buffer(tmp_path):
-    async def main():
-        pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
-        k1 = await _sealed(pool, 7)
-        k2 = await _sealed(pool, 7)
-        assert k1 == k2
-        st = pool.stats()
-        assert st.dirty_bytes == CHUNK_BYTES and st.pinned_chunks == 1
-        pool.unpin(k1)
-        assert pool.pinned(k1)  # one reference left
-        pool.unpin(k1)
-        assert pool.stats().clean_bytes == CHUNK_BYTES
-
-    await main()
+    pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+    k1 = await _sealed(pool, 7)
+    k2 = await _sealed(pool, 7)
+    assert k1 == k2
+    st = pool.stats()
+    assert st.dirty_bytes == CHUNK_BYTES and st.pinned_chunks == 1
+    pool.unpin(k1)
+    assert pool.pinned(k1)  # one reference left
+    pool.unpin(k1)
+    assert pool.stats().clean_bytes == CHUNK_BYTES
 
 
 async def test_clean_chunks_are_evicted_for_writers(tmp_path):
-    async def main():
-        pool = StagingPool(2 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
-        a = await _sealed(pool, 1)
-        b = await _sealed(pool, 2)
-        pool.unpin(a)
-        pool.unpin(b)
-        with trio.fail_after(1):
-            await pool.alloc(CHUNK_BYTES)  # must not wait: clean data is evictable
-        assert pool.used_bytes <= pool.budget_bytes
-
-    await main()
+    pool = StagingPool(2 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+    a = await _sealed(pool, 1)
+    b = await _sealed(pool, 2)
+    pool.unpin(a)
+    pool.unpin(b)
+    with trio.fail_after(1):
+        await pool.alloc(CHUNK_BYTES)  # must not wait: clean data is evictable
+    assert pool.used_bytes <= pool.budget_bytes
 
 
 async def test_pinned_chunks_spill_instead_of_being_dropped(tmp_path):
-    async def main():
-        spill = SpillStore(str(tmp_path / "spill"))
-        pool = StagingPool(2 * CHUNK_BYTES, spill, eager_spill=True)
-        a = await _sealed(pool, 1)
-        b = await _sealed(pool, 2)
-        with trio.fail_after(5):
-            buf = await pool.alloc(CHUNK_BYTES)
-        assert a in spill or b in spill
-        assert pool.pinned(a) and pool.pinned(b)
-        pool.release(buf)
-        for key, fill in ((a, 1), (b, 2)):
-            view = await pool.read(key, fetch=None)
-            assert bytes(view[:10]) == bytes([fill]) * 10
-
-    await main()
+    spill = SpillStore(str(tmp_path / "spill"))
+    pool = StagingPool(2 * CHUNK_BYTES, spill, eager_spill=True)
+    a = await _sealed(pool, 1)
+    b = await _sealed(pool, 2)
+    with trio.fail_after(5):
+        buf = await pool.alloc(CHUNK_BYTES)
+    assert a in spill or b in spill
+    assert pool.pinned(a) and pool.pinned(b)
+    pool.release(buf)
+    for key, fill in ((a, 1), (b, 2)):
+        view = await pool.read(key, fetch=None)
+        assert bytes(view[:10]) == bytes([fill]) * 10
 
 
 async def test_writer_waits_for_persist_without_spill_option(tmp_path):
-    async def main():
-        pool = StagingPool(2 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
-        a = await _sealed(pool, 1)
-        await _sealed(pool, 2)
-        got = []
-
-        async def writer():
-            got.append(await pool.alloc(CHUNK_BYTES))
-
-        async with trio.open_nursery() as n:
-            n.start_soon(writer)
-            await trio.sleep(0.5)
-            assert not got, "the writer must wait while every byte is dirty"
-            pool.unpin(a)  # "persisted": a becomes clean and evictable
-            pool._budget.notify_freed()
-        assert got and len(got[0]) == CHUNK_BYTES
-
-    await main()
+    pool = StagingPool(2 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+    a = await _sealed(pool, 1)
+    await _sealed(pool, 2)
+    got = []
+    async def writer():
+        got.append(await pool.alloc(CHUNK_BYTES))
+    async with trio.open_nursery() as n:
+        n.start_soon(writer)
+        await trio.sleep(0.5)
+        assert not got, "the writer must wait while every byte is dirty"
+        pool.unpin(a)  # "persisted": a becomes clean and evictable
+        pool._budget.notify_freed()
+    assert got and len(got[0]) == CHUNK_BYTES
 
 
 async def test_durable_chunk_leaves_the_spill_dir(tmp_path):
-    async def main():
-        spill = SpillStore(str(tmp_path / "spill"))
-        pool = StagingPool(4 * CHUNK_BYTES, spill, eager_spill=True)
-        async with trio.open_nursery() as n:
-            n.start_soon(pool.run_spiller)
-            a = await _sealed(pool, 3)
-            with trio.fail_after(5):
-                while a not in spill:
-                    await trio.sleep(0.01)
-            pool.unpin(a)
-            assert a not in spill and not os.listdir(spill.directory)
-            n.cancel_scope.cancel()
-
-    await main()
+    spill = SpillStore(str(tmp_path / "spill"))
+    pool = StagingPool(4 * CHUNK_BYTES, spill, eager_spill=True)
+    async with trio.open_nursery() as n:
+        n.start_soon(pool.run_spiller)
+        a = await _sealed(pool, 3)
+        with trio.fail_after(5):
+            while a not in spill:
+                await trio.sleep(0.01)
+        pool.unpin(a)
+        assert a not in spill and not os.listdir(spill.directory)
+        n.cancel_scope.cancel()
 
 
 async def _concurrent_misses(pool: StagingPool, readers: int) -> tuple[bytes, int, list[bytes]]:
@@ -135,62 +118,50 @@ async def _concurrent_misses(pool: StagingPool, readers: int) -> tuple[bytes, in
 
 
 async def test_concurrent_misses_fetch_once(tmp_path):
-    async def main():
-        pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
-        _key, calls, results = await _concurrent_misses(pool, 5)
-        assert calls == 1 and results == [bytes([9]) * 4] * 5
-
-    await main()
+    pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+    _key, calls, results = await _concurrent_misses(pool, 5)
+    assert calls == 1 and results == [bytes([9]) * 4] * 5
 
 
 async def test_corrupt_spill_file_is_detected(tmp_path):
-    async def main():
-        spill = SpillStore(str(tmp_path / "spill"))
-        key, data = _chunk(5)
-        await spill.write(key, data)
-        path = os.path.join(spill.directory, key.hex())
-        with open(path, "r+b") as f:
-            f.seek(12345)
-            f.write(b"\x00")
-        with pytest.raises(IntegrityError):
-            await spill.read(key)
-        assert key not in spill and not os.path.exists(path)
-
-    await main()
+    spill = SpillStore(str(tmp_path / "spill"))
+    key, data = _chunk(5)
+    await spill.write(key, data)
+    path = os.path.join(spill.directory, key.hex())
+    with open(path, "r+b") as f:
+        f.seek(12345)
+        f.write(b"\x00")
+    with pytest.raises(IntegrityError):
+        await spill.read(key)
+    assert key not in spill and not os.path.exists(path)
 
 
 async def test_spill_store_survives_restart_and_drops_torn_writes(tmp_path):
-    async def main():
-        d = str(tmp_path / "spill")
-        spill = SpillStore(d)
-        key, data = _chunk(4)
-        await spill.write(key, data)
-        with open(os.path.join(d, "ab" * 32 + ".tmp"), "wb") as f:
-            f.write(b"torn")
-        again = SpillStore(d)
-        assert key in again and len(again.keys()) == 1
-        assert await again.read(key) == bytes(data)
-
-    await main()
+    d = str(tmp_path / "spill")
+    spill = SpillStore(d)
+    key, data = _chunk(4)
+    await spill.write(key, data)
+    with open(os.path.join(d, "ab" * 32 + ".tmp"), "wb") as f:
+        f.write(b"torn")
+    again = SpillStore(d)
+    assert key in again and len(again.keys()) == 1
+    assert await again.read(key) == bytes(data)
 
 
 async def test_recovered_chunk_adopted_again_has_the_writers_length(tmp_path):
     # After a restart a spilled chunk is known by key only (length unknown);
     # a writer sealing the same bytes again (frozen layers, zero chunks) must
     # give the entry its real length, or view() and the upload part are short.
-    async def main():
-        spill = SpillStore(str(tmp_path / "spill"))
-        key, data = _chunk(5)
-        await spill.write(key, memoryview(data))
-        pool = StagingPool(4 * CHUNK_BYTES, spill, eager_spill=False)
-        assert pool.recover_spilled(key)
-        buf = await pool.alloc(CHUNK_BYTES)
-        buf[:] = data
-        pool.adopt(key, buf, CHUNK_BYTES)
-        view = pool.view(key)
-        assert view is not None and len(view) == CHUNK_BYTES and view == data
-
-    await main()
+    spill = SpillStore(str(tmp_path / "spill"))
+    key, data = _chunk(5)
+    await spill.write(key, memoryview(data))
+    pool = StagingPool(4 * CHUNK_BYTES, spill, eager_spill=False)
+    assert pool.recover_spilled(key)
+    buf = await pool.alloc(CHUNK_BYTES)
+    buf[:] = data
+    pool.adopt(key, buf, CHUNK_BYTES)
+    view = pool.view(key)
+    assert view is not None and len(view) == CHUNK_BYTES and view == data
 
 
 async def _full_pool(tmp_path) -> StagingPool:
@@ -205,40 +176,30 @@ async def test_eight_misses_under_a_full_pool_make_one_fetch(tmp_path):
     # The fetched chunk cannot be cached (the pool is full of dirty data):
     # the waiters used to find nothing in the pool and fetch again, one
     # after another (8 fetches in series).  They now get the one result.
-    async def main():
-        pool = await _full_pool(tmp_path)
-        key, calls, results = await _concurrent_misses(pool, 8)
-        assert pool.view(key) is None  # really not cached
-        assert calls == 1 and results == [bytes([9]) * 4] * 8
-
-    await main()
+    pool = await _full_pool(tmp_path)
+    key, calls, results = await _concurrent_misses(pool, 8)
+    assert pool.view(key) is None  # really not cached
+    assert calls == 1 and results == [bytes([9]) * 4] * 8
 
 
 async def test_one_failed_fetch_reaches_all_eight_waiters(tmp_path):
-    async def main():
-        pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
-        key, _data = _chunk(3)
-        calls = []
-
-        async def fetch():
-            calls.append(1)
-            await trio.sleep(0.05)
-            raise IntegrityError("the backend's copy does not hash to its key")
-
-        errors = []
-
-        async def reader():
-            try:
-                await pool.read(key, fetch)
-            except IntegrityError as exc:
-                errors.append(str(exc))
-
-        async with trio.open_nursery() as n:
-            for _ in range(8):
-                n.start_soon(reader)
-        assert len(calls) == 1 and len(errors) == 8 and "does not hash" in errors[0]
-
-    await main()
+    pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+    key, _data = _chunk(3)
+    calls = []
+    async def fetch():
+        calls.append(1)
+        await trio.sleep(0.05)
+        raise IntegrityError("the backend's copy does not hash to its key")
+    errors = []
+    async def reader():
+        try:
+            await pool.read(key, fetch)
+        except IntegrityError as exc:
+            errors.append(str(exc))
+    async with trio.open_nursery() as n:
+        for _ in range(8):
+            n.start_soon(reader)
+    assert len(calls) == 1 and len(errors) == 8 and "does not hash" in errors[0]
 
 
 async def test_a_lease_kept_across_memory_pressure_keeps_its_bytes(tmp_path):
@@ -246,47 +207,39 @@ async def test_a_lease_kept_across_memory_pressure_keeps_its_bytes(tmp_path):
     # writer needs room: the lease is a copy (never a map of the range), so
     # the writer gets the room at once, the range is punched, and the
     # reader's bytes stay the chunk's.
-    async def main():
-        area = BackingArea(str(tmp_path / "staging"))
-        pool = StagingPool(2 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
-        key, data = _chunk(6)
-        rng = area.file(7).range(0)
-
-        async def fetch():
-            return bytes(data)
-
-        assert bytes(await pool.read(key, fetch, into=rng, count=4)) == bytes([6]) * 4
-        assert rng.entry is not None and pool.stats().clean_bytes == CHUNK_BYTES
-        async with pool.lease(key, fetch) as view:
-            assert await pool.reserve(CHUNK_BYTES, wait=False)  # the free chunk of the budget
-            with trio.fail_after(5):
-                await pool.reserve(CHUNK_BYTES)  # needs the leased chunk's room: evicted under the lease
-            assert not pool.has(key) and rng.entry is None
-            assert rng.pread(0, CHUNK_BYTES) == bytes(CHUNK_BYTES)  # punched: its memory is back
-            assert bytes(view) == bytes(data)
-
-    await main()
+    area = BackingArea(str(tmp_path / "staging"))
+    pool = StagingPool(2 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+    key, data = _chunk(6)
+    rng = area.file(7).range(0)
+    async def fetch():
+        return bytes(data)
+    assert bytes(await pool.read(key, fetch, into=rng, count=4)) == bytes([6]) * 4
+    assert rng.entry is not None and pool.stats().clean_bytes == CHUNK_BYTES
+    async with pool.lease(key, fetch) as view:
+        assert await pool.reserve(CHUNK_BYTES, wait=False)  # the free chunk of the budget
+        with trio.fail_after(5):
+            await pool.reserve(CHUNK_BYTES)  # needs the leased chunk's room: evicted under the lease
+        assert not pool.has(key) and rng.entry is None
+        assert rng.pread(0, CHUNK_BYTES) == bytes(CHUNK_BYTES)  # punched: its memory is back
+        assert bytes(view) == bytes(data)
 
 
 async def test_a_range_written_again_keeps_the_pinned_version_elsewhere(tmp_path):
     # A sealed chunk in its file's range is pinned (its version is not yet
     # durable) when the file writes there again: take_range moves the
     # chunk's bytes into a buffer of its own before the range changes.
-    async def main():
-        area = BackingArea(str(tmp_path / "staging"))
-        pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
-        key, data = _chunk(8)
-        rng = area.file(9).range(1)
-        assert await pool.reserve(CHUNK_BYTES)
-        rng.pwrite(0, data)
-        pool.adopt_range(key, rng, CHUNK_BYTES, CHUNK_BYTES)
-        charge, kept, length = await pool.take_range(rng)
-        assert (charge, kept, length) == (CHUNK_BYTES, key, CHUNK_BYTES) and rng.entry is None
-        rng.pwrite(0, bytes([1]) * CHUNK_BYTES)
-        assert pool.pinned(key) and bytes(pool.view(key)) == bytes(data)
-        assert pool.used_bytes == 2 * CHUNK_BYTES  # the range (now the writer's) and the copy
-
-    await main()
+    area = BackingArea(str(tmp_path / "staging"))
+    pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+    key, data = _chunk(8)
+    rng = area.file(9).range(1)
+    assert await pool.reserve(CHUNK_BYTES)
+    rng.pwrite(0, data)
+    pool.adopt_range(key, rng, CHUNK_BYTES, CHUNK_BYTES)
+    charge, kept, length = await pool.take_range(rng)
+    assert (charge, kept, length) == (CHUNK_BYTES, key, CHUNK_BYTES) and rng.entry is None
+    rng.pwrite(0, bytes([1]) * CHUNK_BYTES)
+    assert pool.pinned(key) and bytes(pool.view(key)) == bytes(data)
+    assert pool.used_bytes == 2 * CHUNK_BYTES  # the range (now the writer's) and the copy
 
 
 async def test_a_fetch_finishing_while_its_file_writes_there_is_not_cached_in_the_range(tmp_path):
@@ -294,48 +247,40 @@ async def test_a_fetch_finishing_while_its_file_writes_there_is_not_cached_in_th
     # the fetched (old) bytes must not become a pool entry in the range the
     # writer is about to change (the entry would then hold the new bytes
     # under the old key, and its eviction would punch the writer's data).
-    async def main():
-        area = BackingArea(str(tmp_path / "staging"))
-        pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
-        key, data = _chunk(4)
-        rng = area.file(3).range(2)
-        fetching = trio.Event()
-
-        async def fetch():
-            fetching.set()
-            await trio.sleep(0.05)
-            return bytes(data)
-
-        async with trio.open_nursery() as n:
-            n.start_soon(lambda: pool.read(key, fetch, into=rng, count=0))
-            await fetching.wait()
-            charge, kept, _ = await pool.take_range(rng)  # the writer takes the range, as _writable_slot does
-            assert (charge, kept) == (0, None)
-            rng.writing = True
-        assert rng.entry is None  # cached elsewhere (a buffer) if at all, not in the writer's range
-        rng.pwrite(0, bytes([9]) * 4096)  # the writer's bytes
-        view = pool.view(key, 0, 4096)
-        assert view is None or bytes(view) == bytes(data[:4096])  # never the writer's bytes under the old key
-
-    await main()
+    area = BackingArea(str(tmp_path / "staging"))
+    pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+    key, data = _chunk(4)
+    rng = area.file(3).range(2)
+    fetching = trio.Event()
+    async def fetch():
+        fetching.set()
+        await trio.sleep(0.05)
+        return bytes(data)
+    async with trio.open_nursery() as n:
+        n.start_soon(lambda: pool.read(key, fetch, into=rng, count=0))
+        await fetching.wait()
+        charge, kept, _ = await pool.take_range(rng)  # the writer takes the range, as _writable_slot does
+        assert (charge, kept) == (0, None)
+        rng.writing = True
+    assert rng.entry is None  # cached elsewhere (a buffer) if at all, not in the writer's range
+    rng.pwrite(0, bytes([9]) * 4096)  # the writer's bytes
+    view = pool.view(key, 0, 4096)
+    assert view is None or bytes(view) == bytes(data[:4096])  # never the writer's bytes under the old key
 
 
 async def test_pins_of_one_owner_are_released_once(tmp_path):
     """A version (or a replica hold) ends in several ways; whichever comes second must not unpin again."""
 
-    async def main():
-        pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
-        key = await _sealed(pool, 5)  # the writer's pin
-        pool.pin(key)  # another file's version shares the chunk
-        pins = Pins(pool, [key])
-        pins.add(key)
-        pins.release()
-        pins.release()
-        assert pins.released and pool.pinned(key)  # the other version's pin is left
-        pool.unpin(key)
-        assert not pool.pinned(key) and pool.stats().clean_bytes == CHUNK_BYTES
-
-    await main()
+    pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+    key = await _sealed(pool, 5)  # the writer's pin
+    pool.pin(key)  # another file's version shares the chunk
+    pins = Pins(pool, [key])
+    pins.add(key)
+    pins.release()
+    pins.release()
+    assert pins.released and pool.pinned(key)  # the other version's pin is left
+    pool.unpin(key)
+    assert not pool.pinned(key) and pool.stats().clean_bytes == CHUNK_BYTES
 
 
 async def test_a_replica_lives_in_a_backing_file_of_its_own_and_outlives_the_process(tmp_path):
@@ -364,28 +309,23 @@ async def test_a_replica_lives_in_a_backing_file_of_its_own_and_outlives_the_pro
 
 async def test_a_clean_chunk_takes_another_key_once_its_hash_is_known(tmp_path):
     """An imported object's chunk cached under its name moves to its content key; pinned or taken keys stay."""
-    async def main():
-        pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
-        data = os.urandom(1000)
-        name, key = chunk.digest(b"name"), chunk.digest(data)
-
-        async def fetch():
-            return data
-
-        await pool.read(name, fetch)
-        async with pool.lease(name, fetch) as view:  # a lease holds the entry, whatever its key
-            assert pool.rename(name, key)
-            assert bytes(view) == data
-        assert not pool.has(name) and bytes(pool.view(key)) == data
-        assert not pool.rename(name, key)  # nothing under the old key any more
-        pinned = await _sealed(pool, 3)
-        assert not pool.rename(pinned, chunk.digest(b"elsewhere"))  # not-yet-durable data keeps its key
-        await pool.read(name, fetch)
-        assert not pool.rename(name, key)  # the content key is there already: the copy stays where it is
-        assert pool.has(name) and pool.has(key)
-        assert pool.drop_clean() > 0 and not pool.has(name) and not pool.has(key)
-
-    await main()
+    pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+    data = os.urandom(1000)
+    name, key = chunk.digest(b"name"), chunk.digest(data)
+    async def fetch():
+        return data
+    await pool.read(name, fetch)
+    async with pool.lease(name, fetch) as view:  # a lease holds the entry, whatever its key
+        assert pool.rename(name, key)
+        assert bytes(view) == data
+    assert not pool.has(name) and bytes(pool.view(key)) == data
+    assert not pool.rename(name, key)  # nothing under the old key any more
+    pinned = await _sealed(pool, 3)
+    assert not pool.rename(pinned, chunk.digest(b"elsewhere"))  # not-yet-durable data keeps its key
+    await pool.read(name, fetch)
+    assert not pool.rename(name, key)  # the content key is there already: the copy stays where it is
+    assert pool.has(name) and pool.has(key)
+    assert pool.drop_clean() > 0 and not pool.has(name) and not pool.has(key)
 
 
 # --- the staging invariant (docs/design.md, "Staging"): a key's bytes are exactly its bytes ---------------
@@ -417,60 +357,47 @@ async def test_a_clean_chunk_the_kernel_may_change_moves_when_another_file_seals
     # clean) while its file is still open for the kernel to write; the next file seals the same chunk.
     # The old entry went away under adopt_range, which then pinned a key no longer in the pool (KeyError
     # in fsync; the file was marked broken: "chunk 6 ... is in neither DRAM, spill nor the backend").
-    async def main():
-        area, pool = _area_and_pool(tmp_path)
-        data = bytes([5]) * CHUNK_BYTES
-        first = _kernel_written(area, 3).range(0)
-        key = await _seal_in(pool, first, data)
-        pool.unpin(key)  # durable: clean, still in a range the kernel may change
-        second = _kernel_written(area, 4).range(0)
-        await _seal_in(pool, second, data)
-        assert pool.pinned(key) and second.entry is not None and second.entry.key == key
-        assert bytes(pool.view(key)) == data
-
-    await main()
+    area, pool = _area_and_pool(tmp_path)
+    data = bytes([5]) * CHUNK_BYTES
+    first = _kernel_written(area, 3).range(0)
+    key = await _seal_in(pool, first, data)
+    pool.unpin(key)  # durable: clean, still in a range the kernel may change
+    second = _kernel_written(area, 4).range(0)
+    await _seal_in(pool, second, data)
+    assert pool.pinned(key) and second.entry is not None and second.entry.key == key
+    assert bytes(pool.view(key)) == data
 
 
 async def test_a_leased_chunk_keeps_its_bytes_when_its_range_is_punched(tmp_path):
     # An upload leases a chunk that lives in the range of a file the kernel writes; another file seals
     # the same chunk (it moves there) and the first file's close punches its range.  The lease was a map
     # of that range: the upload sent zeros and the file was called durable.
-    async def main():
-        area, pool = _area_and_pool(tmp_path)
-        data = os.urandom(CHUNK_BYTES)
-        first = _kernel_written(area, 3).range(0)
-        key = await _seal_in(pool, first, data)
-
-        async def fetch():
-            raise AssertionError("the chunk is in memory")
-
-        async with pool.lease(key, fetch) as view:
-            await _seal_in(pool, _kernel_written(area, 4).range(0), data)
-            assert first.entry is None
-            first.punch()  # what close_kernel does to a range whose chunk lives elsewhere
-            assert bytes(view) == data
-
-    await main()
+    area, pool = _area_and_pool(tmp_path)
+    data = os.urandom(CHUNK_BYTES)
+    first = _kernel_written(area, 3).range(0)
+    key = await _seal_in(pool, first, data)
+    async def fetch():
+        raise AssertionError("the chunk is in memory")
+    async with pool.lease(key, fetch) as view:
+        await _seal_in(pool, _kernel_written(area, 4).range(0), data)
+        assert first.entry is None
+        first.punch()  # what close_kernel does to a range whose chunk lives elsewhere
+        assert bytes(view) == data
 
 
 async def test_a_chunk_the_kernel_changed_is_never_served_under_its_old_key(tmp_path):
     # While a passthrough writer is open, the kernel may write a sealed chunk's range at any moment:
     # whatever is handed out under the key (view, lease, a copy for take_range) is what hashes to it.
-    async def main():
-        area, pool = _area_and_pool(tmp_path)
-        data = bytes([7]) * CHUNK_BYTES
-        rng = _kernel_written(area, 3).range(0)
-        key = await _seal_in(pool, rng, data)
-        rng.pwrite(100, b"changed")  # the kernel writes the range again
-
-        async def fetch():
-            return data  # what the backend (or a peer) has of the key
-
-        async with pool.lease(key, fetch) as view:
-            assert bytes(view) == data
-        assert pool.view(key) is None or bytes(pool.view(key)) == data
-
-    await main()
+    area, pool = _area_and_pool(tmp_path)
+    data = bytes([7]) * CHUNK_BYTES
+    rng = _kernel_written(area, 3).range(0)
+    key = await _seal_in(pool, rng, data)
+    rng.pwrite(100, b"changed")  # the kernel writes the range again
+    async def fetch():
+        return data  # what the backend (or a peer) has of the key
+    async with pool.lease(key, fetch) as view:
+        assert bytes(view) == data
+    assert pool.view(key) is None or bytes(pool.view(key)) == data
 
 
 def test_hashing_a_range_never_allocates_memory_in_it(tmp_path):
@@ -508,51 +435,39 @@ async def test_the_check_catches_a_sealed_range_changed_in_place_and_spares_name
     if not _limits.CHECK_INVARIANTS:
         pytest.skip("AITURBOFS_CHECK_INVARIANTS is off in this process")
 
-    async def main():
-        area, pool = _area_and_pool(tmp_path)
-        data = os.urandom(CHUNK_BYTES)
-        name = chunk.digest(b"external" + data[:16])  # a name, not the bytes' hash
-
-        async def fetch():
-            return data
-
-        named = area.file(5).range(0)
-        await pool.read(name, fetch, into=named, count=0)
-        assert named.entry is not None
-        async with pool.lease(name, fetch) as view:
-            assert bytes(view) == data
-        rng = area.file(6).range(0)
-        key = await _seal_in(pool, rng, data[::-1])
-        rng.pwrite(10, b"in place")  # what no one may do to a sealed range
-        with pytest.raises(AssertionError, match="staging invariant"):
-            async with pool.lease(key, fetch):
-                pass
-
-    await main()
+    area, pool = _area_and_pool(tmp_path)
+    data = os.urandom(CHUNK_BYTES)
+    name = chunk.digest(b"external" + data[:16])  # a name, not the bytes' hash
+    async def fetch():
+        return data
+    named = area.file(5).range(0)
+    await pool.read(name, fetch, into=named, count=0)
+    assert named.entry is not None
+    async with pool.lease(name, fetch) as view:
+        assert bytes(view) == data
+    rng = area.file(6).range(0)
+    key = await _seal_in(pool, rng, data[::-1])
+    rng.pwrite(10, b"in place")  # what no one may do to a sealed range
+    with pytest.raises(AssertionError, match="staging invariant"):
+        async with pool.lease(key, fetch):
+            pass
 
 
 async def test_a_chunk_dropped_from_spill_while_it_is_read_is_fetched(tmp_path):
     # A prefetch found the chunk in the spill store; before its read ran the chunk went durable and
     # its spill file was discarded: the read raised FileNotFoundError in a background task and the
     # daemon exited (every process using the mount got ENOTCONN).
-    async def main():
-        pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
-        key, data = _chunk(4)
-        await pool.spill.write(key, data)
-        real_read = pool.spill.read
-
-        async def read_after_discard(k):
-            os.unlink(os.path.join(pool.spill.directory, k.hex()))  # what discard does to the file
-            return await real_read(k)
-
-        pool.spill.read = read_after_discard
-
-        async def fetch():
-            return bytes(data)
-
-        assert bytes(await pool.read(key, fetch)) == bytes(data)
-
-    await main()
+    pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+    key, data = _chunk(4)
+    await pool.spill.write(key, data)
+    real_read = pool.spill.read
+    async def read_after_discard(k):
+        os.unlink(os.path.join(pool.spill.directory, k.hex()))  # what discard does to the file
+        return await real_read(k)
+    pool.spill.read = read_after_discard
+    async def fetch():
+        return bytes(data)
+    assert bytes(await pool.read(key, fetch)) == bytes(data)
 
 
 # --- backing files on disk (files the kernel writes): they cost the pool nothing ---------------------------
@@ -561,72 +476,66 @@ async def test_chunks_on_disk_cost_no_budget_and_clean_ones_are_trimmed_to_it(tm
     # A file the kernel writes has its backing file on disk: its sealed chunks count for nothing (the
     # page cache holds them), a pinned one is neither evicted nor spilled, and once clean they are an
     # LRU of their own, trimmed to the budget's worth of chunks (oldest first, the leased one kept).
-    async def main():
-        area = BackingArea(str(tmp_path / "staging"), disk_directory=str(tmp_path / "spill" / SPILL_FILES_DIR))
-        pool = StagingPool(2 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
-        f = area.file(5, on_disk=True)
-        assert f.on_disk and f.path.startswith(str(tmp_path / "spill" / SPILL_FILES_DIR))
-        keys = []
-        for index in range(4):  # twice the budget
-            rng = f.range(index)
-            data = bytes([index + 1]) * CHUNK_BYTES
-            assert room_in(rng, CHUNK_BYTES) == 0
-            rng.pwrite(0, data)
-            keys.append(chunk.content_key(data))
-            pool.adopt_range(keys[-1], rng, CHUNK_BYTES, room_in(rng, CHUNK_BYTES))
-        assert pool.used_bytes == 0 and pool.stats().dirty_bytes == 0
-        # staged on disk is bounded all the same: past the budget's worth, new files go through requests (wait)
-        assert not pool.may_stage_on_disk() and pool.stats().disk_dirty_bytes == 4 * CHUNK_BYTES
-        rng = area.file(5, on_disk=True).range(4)  # a chunk written there through requests: room reserved
-        assert await pool.reserve(CHUNK_BYTES)
-        rng.pwrite(0, bytes([9]) * CHUNK_BYTES)
-        keys.append(chunk.content_key(bytes([9]) * CHUNK_BYTES))
-        pool.adopt_range(keys[-1], rng, CHUNK_BYTES, CHUNK_BYTES)
-        assert pool.used_bytes == 0  # given back once sealed: nothing could evict it to free it (a writer hung)
-        assert pool.drop_clean() == 0 and all(pool.has(k) for k in keys)  # pinned: nothing drops them
-        with trio.fail_after(1):
-            buf = await pool.alloc(CHUNK_BYTES)  # the budget is all free
-        pool.release(buf)
-        pool.hold(keys[0], +1)  # a reader of the oldest
-        for k in keys:
-            pool.unpin(k)  # durable
-        assert [pool.has(k) for k in keys] == [True, False, False, False, True]
-        assert pool.may_stage_on_disk()
-        pool.refuse_waits("the backend is full")
-        assert not pool.may_stage_on_disk()  # (writers of new files then get ENOSPC with the reason, not a full disk)
-        pool.accept_waits()
-        assert bytes(pool.view(keys[4])) == bytes([9]) * CHUNK_BYTES
-        assert area.bytes_allocated(on_disk=True) <= 2 * CHUNK_BYTES
-        pool.hold(keys[0], -1)
-        pool.drop_clean()
-        assert not any(pool.has(k) for k in keys) and area.bytes_allocated(on_disk=True) == 0
-
-    await main()
+    area = BackingArea(str(tmp_path / "staging"), disk_directory=str(tmp_path / "spill" / SPILL_FILES_DIR))
+    pool = StagingPool(2 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+    f = area.file(5, on_disk=True)
+    assert f.on_disk and f.path.startswith(str(tmp_path / "spill" / SPILL_FILES_DIR))
+    keys = []
+    for index in range(4):  # twice the budget
+        rng = f.range(index)
+        data = bytes([index + 1]) * CHUNK_BYTES
+        assert room_in(rng, CHUNK_BYTES) == 0
+        rng.pwrite(0, data)
+        keys.append(chunk.content_key(data))
+        pool.adopt_range(keys[-1], rng, CHUNK_BYTES, room_in(rng, CHUNK_BYTES))
+    assert pool.used_bytes == 0 and pool.stats().dirty_bytes == 0
+    # staged on disk is bounded all the same: past the budget's worth, new files go through requests (wait)
+    assert not pool.may_stage_on_disk() and pool.stats().disk_dirty_bytes == 4 * CHUNK_BYTES
+    rng = area.file(5, on_disk=True).range(4)  # a chunk written there through requests: room reserved
+    assert await pool.reserve(CHUNK_BYTES)
+    rng.pwrite(0, bytes([9]) * CHUNK_BYTES)
+    keys.append(chunk.content_key(bytes([9]) * CHUNK_BYTES))
+    pool.adopt_range(keys[-1], rng, CHUNK_BYTES, CHUNK_BYTES)
+    assert pool.used_bytes == 0  # given back once sealed: nothing could evict it to free it (a writer hung)
+    assert pool.drop_clean() == 0 and all(pool.has(k) for k in keys)  # pinned: nothing drops them
+    with trio.fail_after(1):
+        buf = await pool.alloc(CHUNK_BYTES)  # the budget is all free
+    pool.release(buf)
+    pool.hold(keys[0], +1)  # a reader of the oldest
+    for k in keys:
+        pool.unpin(k)  # durable
+    assert [pool.has(k) for k in keys] == [True, False, False, False, True]
+    assert pool.may_stage_on_disk()
+    pool.refuse_waits("the backend is full")
+    assert not pool.may_stage_on_disk()  # (writers of new files then get ENOSPC with the reason, not a full disk)
+    pool.accept_waits()
+    assert bytes(pool.view(keys[4])) == bytes([9]) * CHUNK_BYTES
+    assert area.bytes_allocated(on_disk=True) <= 2 * CHUNK_BYTES
+    pool.hold(keys[0], -1)
+    pool.drop_clean()
+    assert not any(pool.has(k) for k in keys) and area.bytes_allocated(on_disk=True) == 0
 
 
 async def test_with_spill_a_pinned_chunk_on_disk_is_copied_to_the_spill_store(tmp_path):
     # The page cache may lose what it has not written back in a power cut; -o spill promises a copy that
     # does not (fsynced), so a pinned chunk on disk is spilled too, and dropped from the spill once durable.
-    async def main():
-        spill = SpillStore(str(tmp_path / "spill"))
-        area = BackingArea(str(tmp_path / "staging"), disk_directory=str(tmp_path / "spill" / SPILL_FILES_DIR))
-        pool = StagingPool(2 * CHUNK_BYTES, spill, eager_spill=True)
-        rng = area.file(6, on_disk=True).range(0)
-        data = os.urandom(CHUNK_BYTES - 7)
-        rng.pwrite(0, data)
-        key = chunk.content_key(data)
-        pool.adopt_range(key, rng, len(data), 0)
-        async with trio.open_nursery() as n:
-            n.start_soon(pool.run_spiller)
-            with trio.fail_after(5):
-                while key not in spill:
-                    await trio.sleep(0.01)
-            n.cancel_scope.cancel()
-        assert bytes(await spill.read(key)) == data and pool.has(key) and pool.used_bytes == 0
-        pool.unpin(key)
-        assert key not in spill and pool.has(key)  # durable: the spill copy goes, the cached one stays
-
-    await main()
+    spill = SpillStore(str(tmp_path / "spill"))
+    area = BackingArea(str(tmp_path / "staging"), disk_directory=str(tmp_path / "spill" / SPILL_FILES_DIR))
+    pool = StagingPool(2 * CHUNK_BYTES, spill, eager_spill=True)
+    rng = area.file(6, on_disk=True).range(0)
+    data = os.urandom(CHUNK_BYTES - 7)
+    rng.pwrite(0, data)
+    key = chunk.content_key(data)
+    pool.adopt_range(key, rng, len(data), 0)
+    async with trio.open_nursery() as n:
+        n.start_soon(pool.run_spiller)
+        with trio.fail_after(5):
+            while key not in spill:
+                await trio.sleep(0.01)
+        n.cancel_scope.cancel()
+    assert bytes(await spill.read(key)) == data and pool.has(key) and pool.used_bytes == 0
+    pool.unpin(key)
+    assert key not in spill and pool.has(key)  # durable: the spill copy goes, the cached one stays
 
 
 def test_a_restart_finds_the_backing_files_on_disk_and_the_spill_store_ignores_their_dir(tmp_path):
@@ -654,32 +563,27 @@ async def test_a_chunk_dropped_while_it_is_spilled_leaves_the_pool_whole(tmp_pat
     # entry again and deleted its key from the pool: a KeyError that took the daemon down (CI,
     # test_kill9_with_spill_dir_partial_rewrite_of_durable_file), or, had the chunk arrived again
     # meanwhile, the newer entry of that key.
-    async def main():
-        area = BackingArea(str(tmp_path / "staging"))
-        spill = SpillStore(str(tmp_path / "spill"))
-        pool = StagingPool(8 * CHUNK_BYTES, spill, eager_spill=True)
-        data = bytes([9]) * CHUNK_BYTES
-        rng = area.current(5).range(0)
-        key = await _seal_in(pool, rng, data)
-        writing, go_on = trio.Event(), trio.Event()
-        real_write = spill.write
-
-        async def slow_write(k, view):
-            writing.set()
-            await go_on.wait()
-            await real_write(k, view)
-
-        spill.write = slow_write  # type: ignore[method-assign]
-        async with trio.open_nursery() as n:
-            n.start_soon(pool._budget.spill_entry, rng.entry)
-            await writing.wait()
-            pool.unreserve(pool.disown_range(rng))  # the kernel wrote the range
-            pool.unpin(key)  # its slot let go: the entry leaves the pool
-            again = await _sealed(pool, 9)  # and the same chunk arrives again, in a buffer
-            assert again == key
-            n.start_soon(pool._budget.spill_entry, pool._entries[key])  # which spills it too
-            go_on.set()
-        assert pool.pinned(key) and bytes(pool.view(key)) == data
-        assert key in spill and await spill.read(key) == data  # the newer entry's spill copy stays
-
-    await main()
+    area = BackingArea(str(tmp_path / "staging"))
+    spill = SpillStore(str(tmp_path / "spill"))
+    pool = StagingPool(8 * CHUNK_BYTES, spill, eager_spill=True)
+    data = bytes([9]) * CHUNK_BYTES
+    rng = area.current(5).range(0)
+    key = await _seal_in(pool, rng, data)
+    writing, go_on = trio.Event(), trio.Event()
+    real_write = spill.write
+    async def slow_write(k, view):
+        writing.set()
+        await go_on.wait()
+        await real_write(k, view)
+    spill.write = slow_write  # type: ignore[method-assign]
+    async with trio.open_nursery() as n:
+        n.start_soon(pool._budget.spill_entry, rng.entry)
+        await writing.wait()
+        pool.unreserve(pool.disown_range(rng))  # the kernel wrote the range
+        pool.unpin(key)  # its slot let go: the entry leaves the pool
+        again = await _sealed(pool, 9)  # and the same chunk arrives again, in a buffer
+        assert again == key
+        n.start_soon(pool._budget.spill_entry, pool._entries[key])  # which spills it too
+        go_on.set()
+    assert pool.pinned(key) and bytes(pool.view(key)) == data
+    assert key in spill and await spill.read(key) == data  # the newer entry's spill copy stays

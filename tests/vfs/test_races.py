@@ -78,25 +78,22 @@ async def test_a_stale_row_read_during_a_commit_is_not_taken(tmp_path):
     (its previous version, durable) replaced the committed one, so
     ``sync_close`` could return before the new version was durable."""
 
-    async def main():
-        async with filesystem(tmp_path) as fs:
-            ino = await durable_file(fs, b"f", b"one")
-            gate = Gate(fs.meta, "get_inode", ino)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(fs.open, ino, os.O_RDONLY)  # another process's open
-                await gate.entered.wait()  # it has read version 1 ...
-                handle, _ = await fs.open(ino, os.O_WRONLY)
-                await fs.write(handle.fh, 0, b"two")
-                await fs.flush(handle.fh)  # ... and version 2 is committed meanwhile
-                committed = fs.inodes.get(ino).row.version
-                gate.open()
-            row = fs.inodes.get(ino).row
-            assert row.version == committed and row.state != STATE_DURABLE
-            await fs.release(handle.fh)
-            await fs.wait_durable(ino)
-            assert (await fs.meta.get_inode(ino)).persisted_version == committed
-
-    await main()
+    async with filesystem(tmp_path) as fs:
+        ino = await durable_file(fs, b"f", b"one")
+        gate = Gate(fs.meta, "get_inode", ino)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fs.open, ino, os.O_RDONLY)  # another process's open
+            await gate.entered.wait()  # it has read version 1 ...
+            handle, _ = await fs.open(ino, os.O_WRONLY)
+            await fs.write(handle.fh, 0, b"two")
+            await fs.flush(handle.fh)  # ... and version 2 is committed meanwhile
+            committed = fs.inodes.get(ino).row.version
+            gate.open()
+        row = fs.inodes.get(ino).row
+        assert row.version == committed and row.state != STATE_DURABLE
+        await fs.release(handle.fh)
+        await fs.wait_durable(ino)
+        assert (await fs.meta.get_inode(ino)).persisted_version == committed
 
 
 async def test_open_does_not_drop_the_bytes_of_a_writer_that_opened_meanwhile(tmp_path):
@@ -105,24 +102,21 @@ async def test_open_does_not_drop_the_bytes_of_a_writer_that_opened_meanwhile(tm
     had the file open *before* that await: a writer opening meanwhile lost
     the bytes it had written."""
 
-    async def main():
-        async with filesystem(tmp_path) as fs:
-            ino = await durable_file(fs, b"f", b"one")
-            alone = fs.cluster
-            fs.cluster = SimpleNamespace(owner="a", shared=True)  # open's cluster check (nothing else runs meanwhile)
-            gate = Gate(fs.meta, "get_inode", ino)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(fs.open, ino, os.O_RDONLY)
-                await gate.entered.wait()
-                writer, _ = await fs.open(ino, os.O_WRONLY)
-                await fs.write(writer.fh, 0, b"longer bytes")
-                gate.open()
-            fs.cluster = alone
-            assert fs.inodes.get(ino).content is writer.inode.content
-            got = await fs.read(writer.fh, 0, 100)
-            assert bytes(got) == b"longer bytes"
-
-    await main()
+    async with filesystem(tmp_path) as fs:
+        ino = await durable_file(fs, b"f", b"one")
+        alone = fs.cluster
+        fs.cluster = SimpleNamespace(owner="a", shared=True)  # open's cluster check (nothing else runs meanwhile)
+        gate = Gate(fs.meta, "get_inode", ino)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fs.open, ino, os.O_RDONLY)
+            await gate.entered.wait()
+            writer, _ = await fs.open(ino, os.O_WRONLY)
+            await fs.write(writer.fh, 0, b"longer bytes")
+            gate.open()
+        fs.cluster = alone
+        assert fs.inodes.get(ino).content is writer.inode.content
+        got = await fs.read(writer.fh, 0, 100)
+        assert bytes(got) == b"longer bytes"
 
 
 async def test_a_truncate_while_a_write_waits_for_memory(tmp_path):
@@ -130,34 +124,29 @@ async def test_a_truncate_while_a_write_waits_for_memory(tmp_path):
     wait, but a truncate meanwhile had cut the slot list: IndexError (EIO) and
     the chunk buffer it had been given was never returned."""
 
-    async def main():
-        async with filesystem(tmp_path, dram=2 * CHUNK) as fs:
-            hog, row = await fs.create(ROOT_INO, b"hog", 0o644, os.O_WRONLY, UID, GID)
-            for index in range(2):  # two open chunk buffers fill the pool
-                await fs.write(hog.fh, index * CHUNK, b"x" * (CHUNK // 2))
-            f, frow = await fs.create(ROOT_INO, b"f", 0o644, os.O_WRONLY, UID, GID)
-            await fs.setattr(frow.ino, fh=f.fh, size=4 * CHUNK)
-            async with trio.open_nursery() as nursery:
-                result = {}
-
-                async def write():
-                    result["n"] = await fs.write(f.fh, 3 * CHUNK, b"tail")
-
-                nursery.start_soon(write)
-                while not fs.pool.stats().waiting_writers:
-                    await trio.sleep(0.01)
-                await fs.setattr(frow.ino, fh=f.fh, size=0)  # while the write waits
-                await fs.flush(hog.fh)  # the hog commits: its chunks go durable, memory frees
-                await fs.release(hog.fh)
-            assert result["n"] == 4
-            assert (await fs.getattr(frow.ino)).size == 3 * CHUNK + 4
-            assert bytes(await fs.read(f.fh, 3 * CHUNK - 2, 10)) == b"\0\0tail"
-            await fs.flush(f.fh)
-            await fs.release(f.fh)
-            await fs.wait_durable(frow.ino)
-            await fs.wait_durable(row.ino)
-            fs.pool.drop_clean()
-            stats = fs.pool.stats()
-            assert stats.open_bytes == 0, stats  # no buffer left behind
-
-    await main()
+    async with filesystem(tmp_path, dram=2 * CHUNK) as fs:
+        hog, row = await fs.create(ROOT_INO, b"hog", 0o644, os.O_WRONLY, UID, GID)
+        for index in range(2):  # two open chunk buffers fill the pool
+            await fs.write(hog.fh, index * CHUNK, b"x" * (CHUNK // 2))
+        f, frow = await fs.create(ROOT_INO, b"f", 0o644, os.O_WRONLY, UID, GID)
+        await fs.setattr(frow.ino, fh=f.fh, size=4 * CHUNK)
+        async with trio.open_nursery() as nursery:
+            result = {}
+            async def write():
+                result["n"] = await fs.write(f.fh, 3 * CHUNK, b"tail")
+            nursery.start_soon(write)
+            while not fs.pool.stats().waiting_writers:
+                await trio.sleep(0.01)
+            await fs.setattr(frow.ino, fh=f.fh, size=0)  # while the write waits
+            await fs.flush(hog.fh)  # the hog commits: its chunks go durable, memory frees
+            await fs.release(hog.fh)
+        assert result["n"] == 4
+        assert (await fs.getattr(frow.ino)).size == 3 * CHUNK + 4
+        assert bytes(await fs.read(f.fh, 3 * CHUNK - 2, 10)) == b"\0\0tail"
+        await fs.flush(f.fh)
+        await fs.release(f.fh)
+        await fs.wait_durable(frow.ino)
+        await fs.wait_durable(row.ino)
+        fs.pool.drop_clean()
+        stats = fs.pool.stats()
+        assert stats.open_bytes == 0, stats  # no buffer left behind
