@@ -49,8 +49,9 @@ class PersistHost(Protocol):
         """After a restart: hold the recovered pins of a staged file."""
 
     def kernel_writing(self, ino: int) -> bool:
-        """Whether the kernel may be writing the file right now (FUSE passthrough): a version of it that
-        lost a chunk to such a write is replaced by the commit its next flush makes."""
+        """Whether the kernel may be writing the file right now (FUSE passthrough), or changes are taken in
+        and not yet committed: a version of it that lost a chunk to such a write is replaced by the commit
+        its next flush or release makes."""
         ...
 
     def is_cached(self, ino: int) -> bool:

@@ -246,10 +246,14 @@ class StagingPool:
         if e is not None and e.volatile:
             self._leave_volatile(e)  # a copy the kernel may change: this range is the chunk now
             e = self._entries.get(key)  # gone if nothing pinned it (a durable chunk the kernel may change)
-        if e is not None and not e.leases and (e.buf is not None or _unused(e.rng)):
+        if (e is not None and not e.leases and (e.buf is not None or _unused(e.rng))
+                and not (e.pins and rng.file.kernel_writers)):
             # The chunk's bytes arrive in a file's range while its copy is a buffer, or a range of a
             # file nobody uses any more (a cache of a removed file): the file's own range is where it
-            # lives now (whole in its backing file, the kernel may serve it), the other copy goes.
+            # lives now (whole in its backing file, where it outlives a daemon crash and the kernel may
+            # serve it), the other copy goes.  Not into a range the kernel may write if another file's
+            # version not yet durable counts on the chunk: the kernel's next write there would take its
+            # only copy (that one outlives a crash already: a range, or a buffer spilled by take_range).
             if e.buf is not None:
                 buf, e.buf = e.buf, None
                 self.release(buf)
@@ -419,6 +423,9 @@ class StagingPool:
         for memory like a writer does: a replica is dirty data too.
         """
         e = self._entries.get(key)
+        if e is not None and e.volatile:
+            self._leave_volatile(e)  # a copy the kernel may change is no copy to count on: this one is
+            e = self._entries.get(key)
         if e is not None and (e.resident or e.spilled):
             self.pin(key)
             return

@@ -72,8 +72,9 @@ class Reads:
         """The chunk's bytes ``[start, start + count)`` from memory, the spill store, or ``fetch()``.
 
         ``fetch`` must return verified bytes (or raise).  Concurrent misses on
-        one key are merged into one fetch: every waiter gets its bytes, or
-        its error.  The result is cached as a clean entry if memory is free
+        one key are merged into one fetch: every waiter gets its bytes; if it
+        fails, each waiter runs its own ``fetch`` (each caller's names its own
+        source: one caller's error says nothing of another's).  The result is cached as a clean entry if memory is free
         without waiting: in ``into`` (the reading file's range) if given.
         The returned bytes are valid until the next await; use ``lease`` to
         hold them longer.
@@ -86,31 +87,31 @@ class Reads:
             if pending is None:
                 break
             await pending.done.wait()
-            if pending.error is not None:
-                raise pending.error
-            if pending.data is not None and not self.has(key):
+            if pending.data is None:
+                # That fetch failed, and its error was its caller's (its source, its slot): this
+                # caller tries its own, beside the other waiters (not one after another).
+                data = await self._load(key, fetch)
+                self._cache(key, data, into)
+                return _slice(data, start, count)
+            if not self.has(key):
                 return _slice(pending.data, start, count)
         flight = self._inflight[key] = _Flight()
         try:
-            data = None
-            if key in self.spill:
-                try:
-                    data = await self.spill.read(key)
-                except FileNotFoundError:
-                    pass  # discarded while we asked (the chunk went durable): from wherever fetch finds it
-            if data is None:
-                data = await fetch()
-        except BaseException as exc:
-            if isinstance(exc, Exception):
-                flight.error = exc
-            raise
-        else:
-            flight.data = data
+            data = flight.data = await self._load(key, fetch)
             self._cache(key, data, into)
-            return _slice(data, start, count)
         finally:
             del self._inflight[key]
             flight.done.set()
+        return _slice(data, start, count)
+
+    async def _load(self, key: bytes, fetch: Fetch):
+        """The chunk from the spill store, else ``fetch()``."""
+        if key in self.spill:
+            try:
+                return await self.spill.read(key)
+            except FileNotFoundError:
+                pass  # discarded while we asked (the chunk went durable): from wherever fetch finds it
+        return await fetch()
 
     def _cache(self, key: bytes, data, into: Range | None) -> None:
         n = len(data)
@@ -192,14 +193,13 @@ class Reads:
 
 
 class _Flight:
-    """One fetch of a chunk that other readers wait for."""
+    """One fetch of a chunk that other readers wait for (``data`` stays None if it failed)."""
 
-    __slots__ = ("done", "data", "error")
+    __slots__ = ("done", "data")
 
     def __init__(self):
         self.done = trio.Event()
         self.data = None
-        self.error: Exception | None = None
 
 
 def _slice(data, start: int, count: int | None):

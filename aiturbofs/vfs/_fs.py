@@ -139,7 +139,9 @@ class Filesystem:
     # ============================================== what the persister asks
     def kernel_writing(self, ino: int) -> bool:
         node = self.inodes.get(ino)
-        return node is not None and being_written(node)
+        # (dirty: what the kernel wrote is taken in and its commit to come; the last writer's
+        # release counts the writer gone before it commits)
+        return node is not None and (being_written(node) or (node.content is not None and node.content.dirty))
 
     def is_cached(self, ino: int) -> bool:
         """The persister's question: does the kernel or a handle still know ``ino``?"""

@@ -182,13 +182,15 @@ async def test_eight_misses_under_a_full_pool_make_one_fetch(tmp_path):
     assert calls == 1 and results == [bytes([9]) * 4] * 8
 
 
-async def test_one_failed_fetch_reaches_all_eight_waiters(tmp_path):
+async def test_a_failed_fetch_reaches_each_of_eight_waiters_through_its_own_fetch(tmp_path):
+    # Eight misses of one key wait for one fetch; when it fails, each waiter's own fetch (its own
+    # source) runs, side by side: every reader gets an error, none hangs, none waits on another's retry.
     pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
     key, _data = _chunk(3)
     calls = []
     async def fetch():
         calls.append(1)
-        await trio.sleep(0.05)
+        await trio.sleep(0.2)
         raise IntegrityError("the backend's copy does not hash to its key")
     errors = []
     async def reader():
@@ -196,10 +198,12 @@ async def test_one_failed_fetch_reaches_all_eight_waiters(tmp_path):
             await pool.read(key, fetch)
         except IntegrityError as exc:
             errors.append(str(exc))
+    start = trio.current_time()
     async with trio.open_nursery() as n:
         for _ in range(8):
             n.start_soon(reader)
-    assert len(calls) == 1 and len(errors) == 8 and "does not hash" in errors[0]
+    assert len(calls) == 8 and len(errors) == 8 and "does not hash" in errors[0]
+    assert trio.current_time() - start < 8 * 0.2  # two rounds side by side (0.4 s), not eight in a row (1.6 s)
 
 
 async def test_a_lease_kept_across_memory_pressure_keeps_its_bytes(tmp_path):
@@ -587,3 +591,92 @@ async def test_a_chunk_dropped_while_it_is_spilled_leaves_the_pool_whole(tmp_pat
         go_on.set()
     assert pool.pinned(key) and bytes(pool.view(key)) == data
     assert key in spill and await spill.read(key) == data  # the newer entry's spill copy stays
+
+
+async def test_a_pinned_chunk_does_not_move_into_a_range_the_kernel_may_change(tmp_path):
+    # File X sealed a chunk and went durable; file Y deduplicated into X's range (its version pins it,
+    # not yet durable); X was released (its range used by nobody).  Then a passthrough writer's absorb
+    # sealed the same bytes in its own range: the entry moved there (X's copy punched) and the kernel's
+    # next write over that range left Y's version with its chunk nowhere ("chunk 0 of inode 14 is in
+    # neither DRAM, spill nor the backend"; the torture suite's kill -9 case, one run in a few).
+    area, pool = _area_and_pool(tmp_path)
+    data = os.urandom(CHUNK_BYTES)
+    xf = area.file(3)
+    xf.users += 1  # X's content holds it
+    x = xf.range(0)
+    key = await _seal_in(pool, x, data)  # X's slot pins it
+    y = area.file(4).range(0)
+    assert await _seal_in(pool, y, data) == key  # Y's: deduplicated into X's range (pinned twice)
+    assert x.entry is not None and y.entry is None
+    pool.unpin(key)  # X durable: only Y's pin is left, in X's range,
+    xf.users -= 1  # which nobody uses once X is released
+    a = _kernel_written(area, 5).range(0)
+    assert await _seal_in(pool, a, data) == key  # the absorb of the kernel's write seals it there
+    a.pwrite(0, os.urandom(CHUNK_BYTES))  # the kernel writes the range again
+    async def fetch():
+        raise IntegrityError("not in the backend: Y is not durable")
+    assert bytes(await pool.read(key, fetch)) == data  # Y's version still has its bytes
+
+
+async def test_a_failed_fetch_is_not_handed_to_readers_who_fetch_otherwise(tmp_path):
+    # Two files share a chunk: one's fetch (its own source, say a stale content slot) fails while the
+    # other waits on that fetch.  The waiter got the first caller's error and its file, whose own source
+    # had the right bytes, was marked broken.  A waiter tries its own fetch after a failed one.
+    pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+    data = os.urandom(1000)
+    key = chunk.digest(data)
+    started = trio.Event()
+    release = trio.Event()
+    async def failing():
+        started.set()
+        await release.wait()
+        raise IntegrityError("this caller's source holds other bytes")
+    async def good():
+        return data
+    results = {}
+    async def first():
+        try:
+            await pool.read(key, failing)
+        except IntegrityError as exc:
+            results["first"] = exc
+    async def second():
+        await started.wait()
+        results["second"] = bytes(await pool.read(key, good))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(first)
+        nursery.start_soon(second)
+        await started.wait()
+        await trio.sleep(0.01)  # the second reader waits on the first's fetch
+        release.set()
+    assert isinstance(results["first"], IntegrityError)
+    assert results["second"] == data
+
+
+async def test_a_cached_chunk_a_passthrough_file_seals_moves_into_its_range(tmp_path):
+    # A chunk read into a buffer (a clean cache: nobody counts on it) that a passthrough writer's absorb
+    # then seals lives in that file's range from then on: a buffer would not outlive a daemon crash, and
+    # the range is punched once its file closes (the kill -9 case: "recovered ... chunks=3 of 4").
+    area, pool = _area_and_pool(tmp_path)
+    data = os.urandom(CHUNK_BYTES)
+    key = chunk.content_key(data)
+    async def fetch():
+        return data
+    await pool.read(key, fetch)  # cached in a buffer of its own
+    assert pool.lends(key)
+    a = _kernel_written(area, 5).range(0)
+    assert await _seal_in(pool, a, data) == key
+    assert a.entry is not None and a.entry.key == key and not pool.lends(key)
+
+
+async def test_a_replica_stored_while_the_chunk_is_in_a_range_the_kernel_may_change_keeps_its_own_copy(tmp_path):
+    # A peer's replica arrives for a chunk this node holds only in the range of a file the kernel writes:
+    # pinning that entry made the replica's only copy one the kernel's next write takes.
+    area, pool = _area_and_pool(tmp_path)
+    data = os.urandom(CHUNK_BYTES)
+    a = _kernel_written(area, 5).range(0)
+    key = await _seal_in(pool, a, data)
+    await pool.store(key, data)  # the replica, pinned by that call
+    a.pwrite(0, os.urandom(CHUNK_BYTES))  # the kernel writes the range again
+    async def fetch():
+        raise IntegrityError("not in the backend: the peer's file is not durable")
+    assert bytes(await pool.read(key, fetch)) == data

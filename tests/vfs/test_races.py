@@ -150,3 +150,33 @@ async def test_a_truncate_while_a_write_waits_for_memory(tmp_path):
         fs.pool.drop_clean()
         stats = fs.pool.stats()
         assert stats.open_bytes == 0, stats  # no buffer left behind
+
+
+async def test_a_version_the_kernel_wrote_over_is_replaced_not_broken_while_its_release_commits(tmp_path):
+    """A passthrough writer's close (flush) commits version 1; its mapping writes chunk 0 again, so
+    version 1's only copy of that chunk is gone (the kernel wrote over it in place).  Its persist
+    fails, and the persister let the file's next commit replace it while the kernel is writing; but
+    the last writer's release counts the writer gone before it commits version 2.  A persist that
+    failed in that gap marked the file broken (the torture suite's kill -9 case, now and then)."""
+
+    async with filesystem(tmp_path) as fs:
+        handle, row = await fs.create(ROOT_INO, b"f", 0o644, os.O_RDWR, UID, GID)
+        fd = await fs.open_kernel(handle)
+        assert fd is not None
+        first, second = os.urandom(CHUNK + 100), os.urandom(CHUNK)
+        os.pwrite(fd, first, 0)  # the kernel writes the backing file
+        held = []
+        real_enqueue = fs.persister.enqueue
+        fs.persister.enqueue = lambda ino, **kw: held.append((ino, kw))  # version 1 waits for us
+        await fs.flush(handle.fh)  # close(): version 1 staged
+        assert (await fs.meta.get_inode(row.ino)).version == 1
+        os.pwrite(fd, second, 0)  # a store through the mapping that outlives the close
+        await fs.close_kernel(handle)  # the release: the last writer is gone, version 2 not committed yet
+        fs.persister.enqueue = real_enqueue
+        for ino, kw in held:
+            fs.persister.enqueue(ino, **kw)
+        await fs.persister.drain(10)  # its persist of version 1 has failed by now
+        assert fs.persister.stats.files_broken == 0 and (await fs.meta.get_inode(row.ino)).state != "broken"
+        await fs.release(handle.fh)  # version 2
+        await fs.wait_durable(row.ino)
+        assert bytes(await fs.read((await fs.open(row.ino, os.O_RDONLY))[0].fh, 0, 2 * CHUNK)) == second + first[CHUNK:]
