@@ -14,6 +14,7 @@ from aiturbofs.fuse import probe_passthrough
 # The conformance modules run on both FUSE data paths: the kernel-protocol session (with passthrough
 # where this host has it) and pyfuse3.  The rest (cluster, faults, outages, recovery, backends: the
 # layers below the FUSE edge) run once, on the default data path (AITURBOFS_TEST_DATAPATH, else auto).
+# A test of those modules that mounts nothing (it drives the pool or a Filesystem in-process) runs once.
 BOTH_DATAPATHS = {"test_posix", "test_clients", "test_reads", "test_sparse", "test_security", "test_races",
                   "test_durability", "test_fuzz", "test_model", "test_staging",
                   "test_integrity", "test_torture"}
@@ -21,7 +22,7 @@ KERNEL_DATAPATH = "passthrough" if os.geteuid() == 0 and probe_passthrough().ava
 
 
 def pytest_generate_tests(metafunc):
-    if metafunc.module.__name__ in BOTH_DATAPATHS and "datapath" in metafunc.fixturenames:
+    if metafunc.module.__name__ in BOTH_DATAPATHS and "make_mount" in metafunc.fixturenames:
         metafunc.parametrize("datapath", [KERNEL_DATAPATH, "pyfuse3"], indirect=True)
 
 
