@@ -336,7 +336,8 @@ class KernelSession:
     def counts(self) -> dict:
         """Requests served so far: all, and the data ones (zero for files the kernel serves itself)."""
         return {"requests": sum(self.served), "read": self.served[_abi.READ], "write": self.served[_abi.WRITE],
-                "passthrough_files": self.passthrough_files}
+                "passthrough_files": self.passthrough_files,
+                "by_opcode": {_abi.OPCODE_NAMES.get(op, str(op)).lower(): n for op, n in enumerate(self.served) if n}}
 
     # ------------------------------------------------------------ passthrough
     @property

@@ -70,6 +70,22 @@ def rand_bytes(rng: random.Random, n: int) -> bytes:
     return rng.randbytes(n)
 
 
+
+def test_an_ioctl_is_enotty_and_security_capability_is_enodata(make_mount):
+    """What every open and first write ask on a FUSE file (Python's open() asks isatty, the kernel asks
+    for security.capability before a write): an ioctl a regular file does not know is ENOTTY, as on a
+    local filesystem, and a file has no capability."""
+    import fcntl
+    import termios
+
+    m = make_mount()
+    write_file(m.path("f"), b"data")
+    with open(m.path("f"), "rb") as f:
+        assert err_of(fcntl.ioctl, f.fileno(), termios.TCGETS, bytes(64)) == errno.ENOTTY
+        assert not os.isatty(f.fileno())
+    assert err_of(os.getxattr, m.path("f"), "security.capability") == errno.ENODATA
+    assert os.getxattr(m.path("f"), "user.aiturbo.state") in (b"staged", b"persisting", b"durable")
+
 # ------------------------------------------------- create/read/write/truncate
 def test_write_read_truncate_across_chunks(make_mount, tmp_path):
     m = make_mount()
