@@ -72,6 +72,14 @@ PERSIST_FILES_IN_FLIGHT = 4  # files uploading at once
 PERSIST_SPARE_FILES_MAX = 16
 PERSIST_PARTS_IN_FLIGHT = 4  # parts of one file uploading at once
 PERSIST_RETRY_WINDOW_S = 24 * 3600.0  # default -o persist_retry_window
+# While the application writes (a request that changes files came within
+# PERSIST_YIELD_QUIET_S) and nobody waits for durability, a closed file's
+# persist starts once the writers pause, or PERSIST_YIELD_S after it was
+# queued: the persister's per-file work runs on the thread that serves the
+# writers' requests, and small files closed 2x faster without it in the way.
+PERSIST_YIELD_S = 5.0  # default -o persist_yield (rclone mount uploads 5 s after the last close, --vfs-write-back)
+PERSIST_YIELD_QUIET_S = 0.02
+PERSIST_YIELD_FREE_MIN = 0.5  # ... and while at least this part of the DRAM budget is free (no wait for memory ahead)
 FULL_BACKEND_WAIT_S = 60.0  # default -o full_backend_wait: then writers waiting for memory get ENOSPC
 PERSIST_BACKOFF_FIRST_S = 0.2
 PERSIST_BACKOFF_MAX_S = 30.0

@@ -16,6 +16,9 @@ whole run:
 * ``file``: aiturbofs over a ``file://`` backend in a temp dir (SQLite);
 * ``file-dram``: the same with ``-o kernel_writes=dram`` (files the kernel
   writes keep their backing files on the staging tmpfs, not on disk);
+* ``file-noyield``: ``file`` with ``-o persist_yield=0`` (uploads start at
+  once instead of waiting for the writers to pause): the before/after of
+  that option in one run;
 * ``s3``: aiturbofs over a moto S3 server on loopback (SQLite);
 * ``pg``: three aiturbofs nodes of one cluster (PostgreSQL metadata, moto
   S3, a controller), one writer each, all writing at once (``--writers``
@@ -52,7 +55,8 @@ DURABLE_TIMEOUT_S = 1800.0
 DURABLE_POLL_S = 0.05
 START_DELAY_S = 1.0  # writers start this long after they are launched (python startup is not timed)
 MOTO_CLIENT_THREADS = 4
-CONFIGS = ("tmpfs", "minimal", "file", "file-dram", "s3", "pg")
+CONFIGS = ("tmpfs", "minimal", "file", "file-dram", "file-noyield", "s3", "pg")
+AITURBOFS_CONFIGS = ("file", "file-dram", "file-noyield", "s3")
 GOALS = {1: 2000.0, 8: 5000.0}  # files/s closed (issue: one writer, eight writers)
 
 WRITER = r"""
@@ -135,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-kib", type=int, default=64, help="file size (default 64)")
     p.add_argument("--writers", default="1,8", help="writer processes per run, comma-separated (default 1,8)")
     p.add_argument("--repeat", type=int, default=3, help="runs per config and writer count; medians (default 3)")
-    p.add_argument("--configs", default=",".join(c for c in CONFIGS if c != "file-dram"),
-                   help=f"subset of {','.join(CONFIGS)} (default: all but file-dram)")
+    p.add_argument("--configs", default=",".join(c for c in CONFIGS if c not in ("file-dram", "file-noyield")),
+                   help=f"subset of {','.join(CONFIGS)} (default: all but file-dram and file-noyield)")
     a = p.parse_args(argv)
     size = a.size_kib * KiB
     writer_counts = [int(w) for w in a.writers.split(",")]
@@ -167,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             mm = h.MinimalMount(os.path.join(tmp, "minimal"), [], os.path.join(tmp, "minimal.log")).start()
             stack.callback(mm.stop)
             roots["minimal"] = [mm.mountpoint]
-        for name in ("file", "file-dram", "s3"):
+        for name in AITURBOFS_CONFIGS:
             if name not in configs:
                 continue
             if name.startswith("file"):
@@ -175,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                 url, opts = f"file://{tmp}/backend-{name}", {}
                 if name == "file-dram":
                     opts["kernel_writes"] = "dram"  # files the kernel writes on the staging tmpfs, not on disk
+                if name == "file-noyield":
+                    opts["persist_yield"] = "0"  # uploads start at once, between the writers' requests
             else:
                 assert server is not None
                 url, opts = f"s3://{BUCKET}/fs", {"s3_endpoint": server.endpoint}
@@ -209,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                     n_writers = 3 if name == "pg" else writers
                     cpu0 = {pid: h.cpu_seconds(pid) for pid in pids.get(name, [])}
                     r = one_run(name, roots[name], a.files, n_writers, size, f"r{rep}w{writers}",
-                                durable=name in ("file", "file-dram", "s3", "pg"))
+                                durable=name in AITURBOFS_CONFIGS or name == "pg")
                     cpu = sum(h.cpu_seconds(pid) - c for pid, c in cpu0.items())
                     r.update(rep=rep, daemon_cpu_ms_per_file=1000 * cpu / r["files"] if cpu0 else None)
                     runs.append(r)

@@ -260,6 +260,7 @@ _NODE_FIELDS = {
     "drain_timeout": lambda c: c.drain_timeout_s,
     "import_ttl": lambda c: c.import_ttl_s,
     "persist_retry_window": lambda c: c.persist_retry_window_s,
+    "persist_yield": lambda c: c.persist_yield_s,
     "full_backend_wait": lambda c: c.full_backend_wait_s,
     "ro": lambda c: c.read_only,
 }

@@ -19,6 +19,11 @@ from .._errors import AiturboError
 
 log = logging.getLogger("aiturbofs.fuse")
 
+# handlers of requests that change files: while they come the application writes, and uploads of
+# closed files wait for a pause (``Filesystem.note_writing``, ``-o persist_yield``)
+_WRITING = frozenset({"create", "write", "flush", "release", "setattr", "fallocate", "mknod", "mkdir", "symlink",
+                      "link", "unlink", "rmdir", "rename"})
+
 # errno values that are routine answers (a lookup miss), not worth a log line.
 _QUIET = {errno.ENOENT, errno.ENODATA, errno.EEXIST, errno.ENOTEMPTY, errno.EOPNOTSUPP, errno.ENXIO}
 
@@ -27,9 +32,12 @@ def fuse_handler(fn):
     """Wrap an ``Operations`` coroutine so that it raises only FUSEError."""
 
     name = fn.__name__
+    writing = name in _WRITING
 
     @functools.wraps(fn)
     async def wrapper(self, *args, **kwargs):
+        if writing:
+            self.fs.note_writing()
         try:
             self.faults.maybe_raise(name)
             return await fn(self, *args, **kwargs)

@@ -21,6 +21,7 @@ from .._limits import (
     IMPORT_TTL_S,
     METRICS_NODE_ADDRESS_DEFAULT,
     PERSIST_RETRY_WINDOW_S,
+    PERSIST_YIELD_S,
     POOL_BYTES_MIN,
     POOL_DEFAULT_RAM_FRACTION,
     GiB,
@@ -47,6 +48,9 @@ OPTIONS = {
     "drain_timeout": ("float", f"seconds to drain the persist queue at unmount/SIGTERM (default {DRAIN_TIMEOUT_S_DEFAULT:.0f})"),
     "import_ttl": ("float", f"seconds before a directory is re-listed in the backend (default {IMPORT_TTL_S:g})"),
     "persist_retry_window": ("float", f"seconds of transient backend errors before a file is broken (default {PERSIST_RETRY_WINDOW_S:.0f})"),
+    "persist_yield": ("float", "seconds a closed file's upload may wait for the application's writes to pause, so that "
+                               "the writers' requests are served first (default "
+                               f"{PERSIST_YIELD_S:g}; 0: upload at once); fsync, sync_close and aiturbo wait never wait"),
     "full_backend_wait": ("float", "seconds the backend may answer 'full' (ENOSPC, quota) before writers that wait for "
                                    f"memory get ENOSPC (default {FULL_BACKEND_WAIT_S:.0f}); staged data keeps retrying"),
     "s3_endpoint": ("str", "S3 endpoint URL, e.g. http://127.0.0.1:9000"),
@@ -114,6 +118,7 @@ class NodeConfig:
     drain_timeout_s: float = DRAIN_TIMEOUT_S_DEFAULT
     import_ttl_s: float = IMPORT_TTL_S
     persist_retry_window_s: float = PERSIST_RETRY_WINDOW_S
+    persist_yield_s: float = PERSIST_YIELD_S
     full_backend_wait_s: float = FULL_BACKEND_WAIT_S
     backend_options: dict = field(default_factory=dict)
     allow_other: bool = False
@@ -229,6 +234,7 @@ def build_config(backend: str, mountpoint: str, options: dict, *, foreground: bo
     cfg.drain_timeout_s = options.get("drain_timeout", DRAIN_TIMEOUT_S_DEFAULT)
     cfg.import_ttl_s = options.get("import_ttl", IMPORT_TTL_S)
     cfg.persist_retry_window_s = options.get("persist_retry_window", PERSIST_RETRY_WINDOW_S)
+    cfg.persist_yield_s = options.get("persist_yield", PERSIST_YIELD_S)
     cfg.full_backend_wait_s = options.get("full_backend_wait", FULL_BACKEND_WAIT_S)
     cfg.backend_options = {k: v for k, v in options.items() if k.startswith("s3_")}
     # Root mounts for every user of the node (the kernel enforces the modes:

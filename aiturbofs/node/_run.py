@@ -213,6 +213,7 @@ async def _serve(cfg: NodeConfig, state_dir: str, ready: ReadyPipe, meta, backen
     vopts = VfsOptions(
         fsync_durable=cfg.fsync_durable, sync_close=cfg.sync_close, autogroup=cfg.autogroup, import_ttl_s=cfg.import_ttl_s,
         persist_retry_window_s=cfg.persist_retry_window_s, drain_timeout_s=cfg.drain_timeout_s,
+        persist_yield_s=cfg.persist_yield_s,
         full_backend_wait_s=cfg.full_backend_wait_s,
         owner_uid=os.getuid(), owner_gid=os.getgid(),
     )

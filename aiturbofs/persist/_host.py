@@ -21,6 +21,9 @@ class PersistOptions(Protocol):
     @property
     def full_backend_wait_s(self) -> float: ...
 
+    @property
+    def persist_yield_s(self) -> float: ...
+
 
 class PersistHost(Protocol):
     """The VFS as the persister sees it (``Filesystem`` implements it)."""
@@ -52,6 +55,12 @@ class PersistHost(Protocol):
         """Whether the kernel may be writing the file right now (FUSE passthrough), or changes are taken in
         and not yet committed: a version of it that lost a chunk to such a write is replaced by the commit
         its next flush or release makes."""
+        ...
+
+    def writers_active(self) -> bool:
+        """Is the application writing (a request that changes files came within PERSIST_YIELD_QUIET_S),
+        with nobody waiting for a file to become durable (fsync, sync_close, ``aiturbo wait``)?  A queued
+        file's persist then waits for a pause, up to ``persist_yield_s``."""
         ...
 
     def is_cached(self, ino: int) -> bool:

@@ -169,6 +169,11 @@ class StagingPool:
         """Whether a new file the kernel writes may stage its bytes on disk (``Budget.may_stage_on_disk``)."""
         return self._budget.may_stage_on_disk()
 
+    @property
+    def writers_waiting(self) -> int:
+        """Writers waiting for room in the budget now."""
+        return self._budget.waiting_writers
+
     def free_fraction(self) -> float:
         """The part of the budget neither used nor taken by pinned chunks (clean ones can be evicted)."""
         return self._budget.free_fraction()

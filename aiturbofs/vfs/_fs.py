@@ -32,7 +32,7 @@ from .._errors import (
     NotPermitted,
     NotSupported,
 )
-from .._limits import ERRORS_KEPT_MAX, FILE_SIZE_BYTES_MAX
+from .._limits import ERRORS_KEPT_MAX, FILE_SIZE_BYTES_MAX, PERSIST_YIELD_QUIET_S
 from .._syscalls import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE
 from ..backend import Backend
 from ..cluster import ClusterPort, SingleNode
@@ -87,6 +87,7 @@ class Filesystem:
         self._nursery: trio.Nursery | None = None
         self.inodes = InodeTable(meta)
         self.state_waits = self.inodes.state_waits  # the control socket's ``wait`` watches it too
+        self._writing_at = -PERSIST_YIELD_QUIET_S  # trio time of the last request that changed files
         self.health = BackendHealth(backend, record_error=self.record_error)
         self.health.when_up(self._backend_up)
         self.store = ChunkStore(meta, backend, pool, self.cluster, self.health, record_error=self.record_error)
@@ -142,6 +143,13 @@ class Filesystem:
         # (dirty: what the kernel wrote is taken in and its commit to come; the last writer's
         # release counts the writer gone before it commits)
         return node is not None and (being_written(node) or (node.content is not None and node.content.dirty))
+
+    def note_writing(self) -> None:
+        """A request that changes files (create, write, close, rename, ...) came: the application writes."""
+        self._writing_at = trio.current_time()
+
+    def writers_active(self) -> bool:
+        return trio.current_time() - self._writing_at < PERSIST_YIELD_QUIET_S and not len(self.state_waits)
 
     def is_cached(self, ino: int) -> bool:
         """The persister's question: does the kernel or a handle still know ``ino``?"""

@@ -106,6 +106,43 @@ def test_fsync_durable_option(s3m):
         assert s3m.objects() == {"f.bin": data}
 
 
+def test_wait_and_fsync_durable_do_not_wait_for_the_writers_to_pause(make_mount, tmp_path):
+    """Uploads wait for the application's writes to pause (-o persist_yield), but never when someone
+    waits for durability: here the writers never pause and persist_yield is a minute."""
+    m = make_mount(persist_yield="60", fsync="durable")
+    os.mkdir(m.path("w"))
+    stop = threading.Event()
+    written = []
+
+    def writer():  # the application, writing small files without a pause
+        i = 0
+        while not stop.is_set():
+            put(m.path(f"w/{i % 20}"), b"%d" % i)
+            i += 1
+        written.append(i)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        time.sleep(0.5)
+        data = os.urandom(CHUNK + 99)
+        put(m.path("a.bin"), data)
+        t0 = time.monotonic()
+        aiturbo("wait", m.path("a.bin"), timeout=50)
+        assert state(m.path("a.bin")) == "durable"
+        with open(m.path("b.bin"), "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+            assert state(m.path("b.bin")) == "durable"
+        assert time.monotonic() - t0 < 40
+    finally:
+        stop.set()
+        t.join()
+    assert written and written[0] > 20  # the writer did write meanwhile
+    assert get(str(tmp_path / "backend" / "a.bin")) == data  # (w/ may still be uploading: not walked)
+
+
 def test_fsync_staged_returns_while_backend_down(s3m):
     m = s3m.mount()
     s3m.server.stop()
@@ -517,6 +554,9 @@ class FakeMeta:
     async def paths_of(self, ino):
         return ["f.bin"]
 
+    async def inodes_in_states(self, states):
+        return []  # (a drain's check of what the queue may have dropped)
+
     async def set_state(self, ino, state, *, if_version=None, **fields):
         self.states.append((state, if_version))
         if if_version is not None and if_version != self.row.version:
@@ -528,7 +568,7 @@ class FakeMeta:
 def fake_fs(meta=None):
     errors = []
     return SimpleNamespace(meta=meta, pool=None, cluster=SingleNode(), backend=None, errors=errors,
-                           options=SimpleNamespace(persist_retry_window_s=0.0),
+                           options=SimpleNamespace(persist_retry_window_s=0.0, persist_yield_s=0.0),
                            record_error=lambda msg, event=None: errors.append(msg),
                            is_open=lambda ino: False,
                            store=SimpleNamespace(ns_lock=trio.Lock(), health=SimpleNamespace(mark_up=lambda: None)))
@@ -710,6 +750,75 @@ async def test_a_file_queued_while_files_in_flight_wait_gets_a_spare_upload():
 
     await main()
     assert ran == [9]
+
+
+def yielding_persister(yield_s: float):
+    """A persister whose host's application writes until ``host.active`` is cleared; its jobs' start times."""
+    host = fake_fs(FakeMeta(7, version=1))
+    host.options.persist_yield_s = yield_s
+    host.active = True
+    host.writers_active = lambda: host.active
+    host.pool = SimpleNamespace(writers_waiting=0, free_fraction=lambda: 1.0)
+    p = Persister(host)
+    started: list[float] = []
+
+    async def reconcile(ino):
+        started.append(trio.current_time())
+
+    p.reconciler.reconcile = reconcile
+    return host, p, started
+
+
+async def test_a_closed_file_waits_for_the_writers_to_pause_before_it_uploads():
+    """Small files closed twice as fast when the persister's per-file work did not run between the
+    writers' requests (issue: many files at kernel speed)."""
+    host, p, started = yielding_persister(30.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(p.run)
+        t0 = trio.current_time()
+        p.enqueue(7)
+        await trio.sleep(0.3)
+        assert not started, "the upload started while the application was writing"
+        assert p.queue_length() == 1  # still queued: status and drain count it
+        host.active = False
+        with trio.fail_after(5):
+            while not started:
+                await trio.sleep(0.005)
+        nursery.cancel_scope.cancel()
+    assert started[0] - t0 >= 0.3
+
+
+async def test_a_file_waits_no_longer_than_persist_yield_while_the_writers_keep_writing():
+    host, p, started = yielding_persister(0.4)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(p.run)
+        t0 = trio.current_time()
+        p.enqueue(7)
+        with trio.fail_after(5):
+            while not started:
+                await trio.sleep(0.005)
+        nursery.cancel_scope.cancel()
+    assert 0.4 <= started[0] - t0 < 3.0
+
+
+@pytest.mark.parametrize("why", ["drain", "memory"])
+async def test_a_drain_or_a_writer_waiting_for_memory_starts_uploads_at_once(why):
+    host, p, started = yielding_persister(30.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(p.run)
+        p.enqueue(7)
+        await trio.sleep(0.1)
+        assert not started
+        if why == "drain":
+            with trio.fail_after(5):
+                assert await p.drain(10.0) == []
+        else:
+            host.pool.writers_waiting = 1
+            with trio.fail_after(5):
+                while not started:
+                    await trio.sleep(0.005)
+        nursery.cancel_scope.cancel()
+    assert len(started) == 1
 
 
 async def test_a_read_finds_an_object_moved_to_a_name_it_no_longer_has(tmp_path):
