@@ -262,13 +262,14 @@ class Filesystem:
             if size > self.size_max:
                 raise FileTooBig(f"size {size} exceeds {self.size_max}, the most the backend can hold")
             content = await self._content(node)
-            kernel = content.backing is not None and content.backing.kernel_opens > 0
             if size and node.row.manifest is None and any(s is not None and s.is_external for s in content.slots):
                 # an imported file gets its manifest first, as open for
                 # writing does: commit cannot describe unhashed chunks
                 await self.reader.hash_external(node, content)
             await self.writer.truncate(node, content, size)
-            if kernel:
+            # Asked after the truncate's awaits, not before: a passthrough open that came while it
+            # waited fitted the backing file to the old size, and the kernel reads it to its end.
+            if content.backing is not None and content.backing.kernel_opens > 0:
                 await self.writer.cut_backing(content, size)
             node.row.mtime_ns = mtime_ns if mtime_ns is not None else now
             if fh is None and node.opens == 0:

@@ -8,12 +8,14 @@ concurrent requests produce now and then, made certain.
 
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
 
 import pytest
 import trio
+import trio.testing
 
 from aiturbofs.backend import open_backend
 from aiturbofs.meta import ROOT_INO, STATE_DURABLE, open_meta
@@ -180,3 +182,38 @@ async def test_a_version_the_kernel_wrote_over_is_replaced_not_broken_while_its_
         await fs.release(handle.fh)  # version 2
         await fs.wait_durable(row.ino)
         assert bytes(await fs.read((await fs.open(row.ino, os.O_RDONLY))[0].fh, 0, 2 * CHUNK)) == second + first[CHUNK:]
+
+
+async def test_an_open_the_kernel_serves_that_comes_while_a_truncate_waits_does_not_undo_it(tmp_path):
+    """A truncate decided whether to cut the backing file before it waited (for the lock of the chunk
+    it shortens); a passthrough open that came meanwhile fitted the backing file to the old size, the
+    cut never came, and the opener's flush took the old bytes past the cut back in as the file's:
+    the truncate was undone, and chunk 1 named the old version's key again."""
+    async with filesystem(tmp_path) as fs:
+        handle, row = await fs.create(ROOT_INO, b"f", 0o644, os.O_RDWR, UID, GID)
+        fd = await fs.open_kernel(handle)
+        assert fd is not None
+        data = os.urandom(CHUNK + 4096)
+        os.pwrite(fd, data, 0)
+        await fs.close_kernel(handle)
+        await fs.release(handle.fh)  # version 1: two chunks, sealed
+        node = await fs.inodes.load(row.ino)
+        content = node.content
+        assert content is not None and content.size == len(data)
+        async with trio.open_nursery() as nursery:
+            await content.lock.acquire()  # the truncate will wait for it (it reopens chunk 0)
+            nursery.start_soon(functools.partial(fs.setattr, row.ino, size=100))
+            await trio.testing.wait_all_tasks_blocked()
+            opener, _ = await fs.open(row.ino, os.O_RDWR)
+            assert await fs.open_kernel(opener) is not None  # the kernel serves this open now
+            content.lock.release()
+        assert (await fs.getattr(row.ino)).size == 100
+        await fs.flush(opener.fh)  # the opener's close: what the kernel holds is taken in
+        await fs.close_kernel(opener)
+        await fs.release(opener.fh)
+        assert (await fs.getattr(row.ino)).size == 100
+        reader, _ = await fs.open(row.ino, os.O_RDONLY)
+        assert bytes(await fs.read(reader.fh, 0, 2 * CHUNK)) == data[:100]
+        await fs.release(reader.fh)
+        await fs.wait_durable(row.ino)
+        assert (tmp_path / "backend" / "f").read_bytes() == data[:100]
