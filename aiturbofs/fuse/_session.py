@@ -152,6 +152,7 @@ class KernelSession:
         self._interrupted: set[int] = set()
         self.passthrough_files = 0  # backing files registered (one per inode while the kernel serves it)
         self.served = [0] * 64  # requests served, by opcode (status: how many READ/WRITE still reach the daemon)
+        self.busy_ns = [0] * 64  # time from reading a request to its reply, by opcode (status: where the time goes)
         self._handlers = {
             _abi.LOOKUP: self._lookup, _abi.GETATTR: self._getattr, _abi.SETATTR: self._setattr,
             _abi.READLINK: self._readlink, _abi.SYMLINK: self._symlink, _abi.MKNOD: self._mknod,
@@ -265,6 +266,7 @@ class KernelSession:
 
     async def _serve_one(self, buf: bytearray, n: int, limiter: trio.Semaphore) -> None:
         head = None
+        started = time.monotonic_ns()
         try:
             head = _abi.IN_HEADER.unpack(buf)
             if head.len != n:
@@ -303,6 +305,8 @@ class KernelSession:
             if head is not None:
                 self._reply_error(head.unique, errno.EIO)
         finally:
+            if head is not None and head.opcode < len(self.busy_ns):
+                self.busy_ns[head.opcode] += time.monotonic_ns() - started
             if len(self._buffers) < BUFFERS_KEPT:
                 self._buffers.append(buf)
             limiter.release()
@@ -337,7 +341,9 @@ class KernelSession:
         """Requests served so far: all, and the data ones (zero for files the kernel serves itself)."""
         return {"requests": sum(self.served), "read": self.served[_abi.READ], "write": self.served[_abi.WRITE],
                 "passthrough_files": self.passthrough_files,
-                "by_opcode": {_abi.OPCODE_NAMES.get(op, str(op)).lower(): n for op, n in enumerate(self.served) if n}}
+                "by_opcode": {_abi.OPCODE_NAMES.get(op, str(op)).lower(): n for op, n in enumerate(self.served) if n},
+                "ms_by_opcode": {_abi.OPCODE_NAMES.get(op, str(op)).lower(): round(ns / 1e6, 3)
+                                 for op, ns in enumerate(self.busy_ns) if ns}}
 
     # ------------------------------------------------------------ passthrough
     @property

@@ -241,22 +241,26 @@ def test_a_utime_beside_a_passthrough_writer_orders_with_its_writes(pmnt, tmp_pa
     assert os.stat(tmp_path / "backend" / "f").st_mtime_ns == t2
 
 
-def test_status_counts_requests_by_opcode_and_a_small_file_costs_at_most_seven(pmnt):
+def test_status_counts_requests_and_their_time_by_opcode_and_a_small_file_costs_at_most_seven(pmnt):
     """What one small file written as Python writes it costs in requests (issue: many files at kernel
     speed): lookup, create, getattr (of the directory: default_permissions), ioctl (isatty), getxattr
     (security.capability before the first write), flush, release; no WRITE under passthrough."""
     os.mkdir(pmnt.path("d"))
     with open(pmnt.path("d/warm"), "wb") as f:
         f.write(b"w")
-    before = fuse_counts(pmnt)["by_opcode"]
+    first = fuse_counts(pmnt)
+    before, ms_before = first["by_opcode"], first["ms_by_opcode"]
     n = 20
     for i in range(n):
         with open(pmnt.path(f"d/f{i}"), "wb") as f:
             f.write(b"x" * 65536)
-    after = fuse_counts(pmnt)["by_opcode"]
+    last = fuse_counts(pmnt)
+    after, ms_after = last["by_opcode"], last["ms_by_opcode"]
     spent = {op: after.get(op, 0) - before.get(op, 0) for op in after}
     assert spent["create"] == n and spent.get("write", 0) == 0, spent
     assert sum(spent.values()) <= 7 * n, spent
+    # and the time they took, by opcode: every opcode served has some, and the creates more than nothing
+    assert set(ms_after) == set(after) and ms_after["create"] > ms_before.get("create", 0), ms_after
 
 
 def test_pyfuse3_and_the_kernel_session_without_passthrough_serve_data_through_requests(make_mount):
