@@ -278,7 +278,7 @@ class SqlMetaStore(MetaStore):
         return await self._run(_sql_namespace.lookup, parent, name, write=False, quick=True)
 
     async def readdir(self, parent: int, offset: int, limit: int) -> list[tuple[bytes, InodeRow, int]]:
-        return await self._run(_sql_namespace.readdir, parent, offset, limit, self.READDIR_FROM, write=False)
+        return await self._run(_sql_namespace.readdir, parent, offset, limit, self.READDIR_FROM, write=False, quick=True)
 
     async def paths_of(self, ino: int) -> list[str]:
         return await self._run(_sql_namespace.paths_of, ino, write=False, quick=True)
