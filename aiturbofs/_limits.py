@@ -61,6 +61,7 @@ POOL_BYTES_MIN = 2 * CHUNK_BYTES  # below this no file could make progress
 FREE_BUFFERS_KEPT_MAX = 64  # recycled full-size buffers kept warm (first-touch is slow)
 SPILL_WAIT_S = 2.0  # without -o spill, wait this long for persist before spilling
 BACKING_FDS_OPEN_MAX = 256  # backing files kept open (the others are reopened by path)
+BACKING_SPARES = 64  # empty backing files made ahead on disk by a thread (a new file's create costs a link)
 STAGING_SLACK_BYTES_MIN = 64 * MiB  # the staging tmpfs holds the budget plus an eighth of it, at least this much
 SPILL_IN_FLIGHT_MAX = 2  # chunk writes to the spill dir at once
 

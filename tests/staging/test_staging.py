@@ -11,7 +11,7 @@ from aiturbofs import chunk
 from aiturbofs._errors import IntegrityError
 from aiturbofs._limits import CHUNK_BYTES
 from aiturbofs.staging import SPILL_FILES_DIR, BackingArea, Pins, SpillStore, StagingPool, content_key_of, room_in
-from aiturbofs.staging._backing import punch_hole
+from aiturbofs.staging._backing import SPARES_DIR, SpareFiles, punch_hole
 
 
 def _chunk(fill: int) -> tuple[bytes, bytearray]:
@@ -680,3 +680,63 @@ async def test_a_replica_stored_while_the_chunk_is_in_a_range_the_kernel_may_cha
     async def fetch():
         raise IntegrityError("not in the backend: the peer's file is not durable")
     assert bytes(await pool.read(key, fetch)) == data
+
+
+def _wait_for(cond, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_new_backing_file_on_disk_is_a_spare_linked_to_its_name_and_never_replaces_a_file(tmp_path):
+    disk = str(tmp_path / "spill" / SPILL_FILES_DIR)
+    area = BackingArea(str(tmp_path / "staging"), disk_directory=disk)
+    spares = os.path.join(disk, SPARES_DIR)
+    area.file(1, on_disk=True).range(0).pwrite(0, b"a" * 10)  # the first: the thread starts, none is ready yet
+    _wait_for(lambda: os.path.isdir(spares) and len(os.listdir(spares)) >= 8, "the spares")
+    before = {os.stat(os.path.join(spares, n)).st_ino for n in os.listdir(spares)}
+    f = area.file(2, on_disk=True)
+    f.range(0).pwrite(0, b"b" * 10)
+    st = os.stat(f.path)
+    assert st.st_ino in before and st.st_size == 10 and st.st_mode & 0o777 == 0o600
+    # a file that exists is never replaced by a spare: its bytes stay
+    with open(os.path.join(disk, "3"), "wb") as out:
+        out.write(b"kept")
+    assert area.file(3, on_disk=True).range(0).pread(0, 4) == b"kept"
+    area.close()
+    assert not os.path.exists(spares)  # close removes the spares and their directory
+    assert sorted(os.listdir(disk)) == ["1", "2", "3"]  # and nothing else
+    assert all(os.stat(os.path.join(disk, n)).st_nlink == 1 for n in ("1", "2", "3"))
+
+
+def test_spares_a_crashed_run_left_are_removed_at_start_and_a_taken_ones_file_stays(tmp_path):
+    disk = tmp_path / "files"
+    disk.mkdir()
+    spares = SpareFiles(str(disk), keep=4)
+    assert not spares.take(str(disk / "1"))  # none ready yet: the caller creates it
+    _wait_for(lambda: len(spares._ready) == 4, "the spares")
+    assert spares.take(str(disk / "2"))
+    (disk / "2").write_bytes(b"data")
+    # a kill -9 now: the thread never removed the taken spare's name, nor made the rest into files
+    again = SpareFiles(str(disk), keep=4)
+    assert not (disk / SPARES_DIR).exists()
+    assert (disk / "2").read_bytes() == b"data" and os.stat(disk / "2").st_nlink == 1
+    again.close()
+    spares.close()
+
+
+def test_spares_that_cannot_be_made_leave_creating_to_the_caller(tmp_path, caplog):
+    disk = tmp_path / "files"
+    disk.mkdir()
+    spares = SpareFiles(str(disk), keep=4)
+    (disk / SPARES_DIR).write_bytes(b"")  # a file where their directory goes: the thread cannot make it
+    assert not spares.take(str(disk / "1"))
+    _wait_for(lambda: spares._stopped, "the thread to give up")
+    assert not spares.take(str(disk / "1")) and "no spare backing files" in caplog.text
+    spares.close()
+    caplog.clear()
+    again = SpareFiles(str(disk), keep=4)  # at start: not a directory of spares either; the mount still starts
+    assert again._stopped and not again.take(str(disk / "2")) and "no spare backing files" in caplog.text
+    assert (disk / SPARES_DIR).is_file()  # (not ours to remove)
+    again.close()
