@@ -76,6 +76,11 @@ class SetattrFields:
         self.update_size = bool(valid & _abi.FATTR_SIZE)
 
 
+_SECURITY_CAPABILITY_Z = b"security.capability\0"
+_GETXATTR_NAME_AT = _abi.IN_HEADER.size + _abi.GETXATTR_IN.size
+_GETXATTR_CAPABILITY_BYTES = _GETXATTR_NAME_AT + len(_SECURITY_CAPABILITY_Z)
+
+
 class DirBuffer:
     """A READDIRPLUS reply being filled (``Operations.readdir`` adds entries until it is full)."""
 
@@ -214,7 +219,31 @@ class KernelSession:
                     if n == 0:
                         limiter.release()
                         break
+                    if self._answered_here(buf, n):
+                        limiter.release()
+                        continue
                     nursery.start_soon(self._serve_one, buf, n, limiter)
+
+    def _answered_here(self, buf: bytearray, n: int) -> bool:
+        """Answer the kernel's ``security.capability`` getxattr in the loop itself, without a task.
+
+        Under passthrough the kernel asks it before every write(2) to a file
+        (``file_remove_privs``: FUSE does not let it remember the answer), and
+        the writer waits for the reply: a task and the handler chain are
+        most of that wait, for an answer that is always "none".
+        """
+        if n != _GETXATTR_CAPABILITY_BYTES:
+            return False
+        started = time.monotonic_ns()
+        head = _abi.IN_HEADER.unpack(buf)
+        if head.opcode != _abi.GETXATTR or head.len != n or buf[_GETXATTR_NAME_AT:n] != _SECURITY_CAPABILITY_Z:
+            return False
+        self.served[_abi.GETXATTR] += 1
+        self._reply_error(head.unique, errno.ENODATA)
+        self.busy_ns[_abi.GETXATTR] += time.monotonic_ns() - started
+        if len(self._buffers) < BUFFERS_KEPT:
+            self._buffers.append(buf)
+        return True
 
     async def _read_request(self) -> tuple[bytearray, int]:
         buf = self._buffers.pop() if self._buffers else bytearray(BUFFER_BYTES)

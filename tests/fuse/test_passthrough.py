@@ -5,6 +5,7 @@ Each test counts the READ and WRITE requests that still reach the daemon
 through the mount, in the backend once durable, and after a remount.
 """
 
+import errno
 import json
 import mmap
 import os
@@ -261,6 +262,27 @@ def test_status_counts_requests_and_their_time_by_opcode_and_a_small_file_costs_
     assert sum(spent.values()) <= 7 * n, spent
     # and the time they took, by opcode: every opcode served has some, and the creates more than nothing
     assert set(ms_after) == set(after) and ms_after["create"] > ms_before.get("create", 0), ms_after
+
+
+def test_every_passthrough_write_asks_security_capability_and_is_answered_none(pmnt):
+    """The kernel asks getxattr security.capability before each write(2) to a passthrough file (it may not
+    remember the answer on FUSE): the session answers ENODATA in its loop, and the other xattrs still work."""
+    fd = os.open(pmnt.path("w"), os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        before = fuse_counts(pmnt)["by_opcode"]
+        for _ in range(50):
+            os.write(fd, b"w" * 4096)
+        after = fuse_counts(pmnt)["by_opcode"]
+    finally:
+        os.close(fd)
+    assert after.get("getxattr", 0) - before.get("getxattr", 0) == 50 and after.get("write", 0) == before.get("write", 0)
+    with pytest.raises(OSError) as caught:
+        os.getxattr(pmnt.path("w"), "security.capability")
+    assert caught.value.errno == errno.ENODATA
+    assert os.getxattr(pmnt.path("w"), "user.aiturbo.state") in (b"staged", b"persisting", b"durable")
+    os.setxattr(pmnt.path("w"), "user.mine", b"v")
+    assert os.getxattr(pmnt.path("w"), "user.mine") == b"v"
+    assert os.path.getsize(pmnt.path("w")) == 50 * 4096
 
 
 def test_pyfuse3_and_the_kernel_session_without_passthrough_serve_data_through_requests(make_mount):
