@@ -241,9 +241,13 @@ class KernelSession:
         self.served[_abi.GETXATTR] += 1
         self._reply_error(head.unique, errno.ENODATA)
         self.busy_ns[_abi.GETXATTR] += time.monotonic_ns() - started
+        self._recycle(buf)
+        return True
+
+    def _recycle(self, buf: bytearray) -> None:
+        """A request's buffer is free again: keep it for a later read (up to BUFFERS_KEPT)."""
         if len(self._buffers) < BUFFERS_KEPT:
             self._buffers.append(buf)
-        return True
 
     async def _read_request(self) -> tuple[bytearray, int]:
         buf = self._buffers.pop() if self._buffers else bytearray(BUFFER_BYTES)
@@ -336,8 +340,7 @@ class KernelSession:
         finally:
             if head is not None and head.opcode < len(self.busy_ns):
                 self.busy_ns[head.opcode] += time.monotonic_ns() - started
-            if len(self._buffers) < BUFFERS_KEPT:
-                self._buffers.append(buf)
+            self._recycle(buf)
             limiter.release()
 
     async def _interruptible(self, handler, head, body) -> None:
