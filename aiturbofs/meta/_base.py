@@ -148,6 +148,12 @@ class MetaStore(ABC):
         """The inode ``name`` in directory ``parent`` names.  Raises ``NotFound``."""
 
     @abstractmethod
+    async def lookup_path(self, path: str) -> InodeRow | None:
+        """The inode at ``path`` (relative to the root, '/'-separated, as
+        ``paths_of`` gives it), or ``None`` if no such name.  One call for the
+        whole walk: the persister asks it for every file it publishes."""
+
+    @abstractmethod
     async def readdir(
         self, parent: int, offset: int, limit: int
     ) -> list[tuple[bytes, InodeRow, int]]:

@@ -277,6 +277,9 @@ class SqlMetaStore(MetaStore):
     async def lookup(self, parent: int, name: bytes) -> InodeRow:
         return await self._run(_sql_namespace.lookup, parent, name, write=False, quick=True)
 
+    async def lookup_path(self, path: str) -> InodeRow | None:
+        return await self._run(_sql_namespace.lookup_path, path, write=False, quick=True)
+
     async def readdir(self, parent: int, offset: int, limit: int) -> list[tuple[bytes, InodeRow, int]]:
         return await self._run(_sql_namespace.readdir, parent, offset, limit, self.READDIR_FROM, write=False, quick=True)
 

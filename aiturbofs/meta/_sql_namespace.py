@@ -1,6 +1,6 @@
 """The SQL of the namespace: directory entries and the moves they leave behind.
 
-Transaction bodies of ``SqlMetaStore``'s lookup, readdir, paths_of,
+Transaction bodies of ``SqlMetaStore``'s lookup, lookup_path, readdir, paths_of,
 parent_of, create, link, unlink, rmdir and rename, and of the ``moves``
 table that a name change writes in its own transaction (see the schema in
 ``_sql``).  Each body is a function ``body(tx, *args)`` (see ``_sql_tx``);
@@ -127,6 +127,17 @@ def lookup(tx: Tx, parent: int, name: bytes) -> InodeRow:
     row = _entry(tx, parent, name)
     if row is None:
         raise err.NotFound(f"{os.fsdecode(name)!r} in inode {parent}")
+    return row
+
+
+def lookup_path(tx: Tx, path: str) -> InodeRow | None:
+    row = None
+    parent = ROOT_INO
+    for name in path.split("/"):
+        row = _entry(tx, parent, os.fsencode(name))
+        if row is None:
+            return None
+        parent = row.ino
     return row
 
 

@@ -30,7 +30,7 @@ from contextlib import asynccontextmanager
 import trio
 
 from .._errors import NotFound
-from ..meta import ROOT_INO, STATE_BROKEN, MetaStore
+from ..meta import STATE_BROKEN, MetaStore
 from ._host import PersistHost
 
 # How long a backend key removed or moved away is remembered, so that an
@@ -146,13 +146,7 @@ class KeyClaims:
 
     async def lookup_path(self, key: str):
         """The row the namespace has at backend path ``key``, or None."""
-        ino = ROOT_INO
-        try:
-            for name in key.split("/"):
-                ino = (await self.meta.lookup(ino, name.encode("utf-8", "surrogateescape"))).ino
-            return await self.meta.get_inode(ino)
-        except NotFound:
-            return None
+        return await self.meta.lookup_path(key)
 
     @asynccontextmanager
     async def key_lock(self, key: str):

@@ -331,6 +331,23 @@ class MetaConformance:
         with pytest.raises(err.NotFound):
             await store.get_inode(4242)
 
+    async def test_lookup_path_walks_every_name_and_agrees_with_paths_of(self, store):
+        a = await store.create(ROOT_INO, b"a", dir_row())
+        d = await store.create(a.ino, b"caf\xc3\xa9 \xff", dir_row())
+        f = await store.create(d.ino, b"f", file_row())
+        await store.link(f.ino, ROOT_INO, b"g")
+        for path in await store.paths_of(f.ino):
+            assert (await store.lookup_path(path)).ino == f.ino
+        [d_path] = await store.paths_of(d.ino)
+        assert (await store.lookup_path(d_path)).ino == d.ino
+        assert (await store.lookup_path("a")).ino == a.ino
+        # missing names, a name below a file, the root's empty path: no row
+        for missing in ["b", "a/x", d_path + "/f/x", "g/x", "", "a/"]:
+            assert await store.lookup_path(missing) is None, missing
+        await store.rename(ROOT_INO, b"a", ROOT_INO, b"b")
+        assert await store.lookup_path("a") is None
+        assert (await store.lookup_path((await store.paths_of(f.ino))[0])).ino == f.ino
+
     # --- readdir -------------------------------------------------------------------------
 
     async def test_readdir_order_tokens_errors(self, store):
