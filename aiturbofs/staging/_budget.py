@@ -42,6 +42,11 @@ class Budget:
         self._copy = copy
         # In-memory entries that may be dropped (unpinned, or safely spilled), LRU first.
         self._evictable: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()
+        # Their charges as filed (every change of a charge files the entry again: ``place``), and the sum:
+        # ``free_fraction`` is asked at every open and every persist job, and summing over every
+        # clean chunk cached made those O(chunks cached).
+        self._evictable_charges: dict[bytes, int] = {}
+        self._evictable_bytes = 0
         # In-memory pinned entries with no copy on disk yet, oldest first.
         self._unspilled: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()
         # Unpinned steady entries in ranges of backing files on disk (a cache costing no budget), LRU first,
@@ -171,8 +176,7 @@ class Budget:
 
     def free_fraction(self) -> float:
         """The part of the budget neither used nor taken by pinned chunks (clean ones can be evicted)."""
-        clean = sum(e.charge for e in self._evictable.values())
-        return max(0.0, self.budget_bytes - self.used_bytes + clean) / self.budget_bytes
+        return max(0.0, self.budget_bytes - self.used_bytes + self._evictable_bytes) / self.budget_bytes
 
     def count_recovered(self, charge: int) -> None:
         """Count a range a previous run left (recovery), even past the budget: its bytes are there."""
@@ -195,9 +199,11 @@ class Budget:
     # ---------------------------------------------------------------- indices
     def unindex(self, e: Entry) -> None:
         """Take ``e`` out of every index (``place`` files it again)."""
-        for index in (self._evictable, self._unspilled):
-            if index.get(e.key) is e:
-                del index[e.key]
+        if self._evictable.get(e.key) is e:
+            del self._evictable[e.key]
+            self._evictable_bytes -= self._evictable_charges.pop(e.key)
+        if self._unspilled.get(e.key) is e:
+            del self._unspilled[e.key]
         if self._on_disk.get(e.key) is e:
             del self._on_disk[e.key]
             self._on_disk_bytes -= e.length
@@ -238,6 +244,8 @@ class Budget:
             return
         if e.pins == 0 or e.spilled:
             self._evictable[e.key] = e
+            self._evictable_bytes += e.charge - self._evictable_charges.get(e.key, 0)
+            self._evictable_charges[e.key] = e.charge
         else:
             self._unspilled[e.key] = e
             self._spill_wanted.set()

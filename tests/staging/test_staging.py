@@ -51,6 +51,40 @@ async def test_clean_chunks_are_evicted_for_writers(tmp_path):
     assert pool.used_bytes <= pool.budget_bytes
 
 
+async def test_free_fraction_counts_the_evictable_charges_through_random_pool_operations(tmp_path):
+    # free_fraction keeps the evictable entries' charges as a running sum (it is asked at every open):
+    # after every operation it must equal the sum over the entries then evictable.
+    import random
+    rnd = random.Random(25)
+    pool = StagingPool(4 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=rnd.random() < 0.5)
+    budget = pool._budget
+    pins: list[bytes] = []
+    checked = 0
+    for _ in range(400):
+        op = rnd.choice(["seal", "seal", "unpin", "read", "drop", "alloc"])
+        if op == "seal":
+            n = rnd.choice([100, 5000, CHUNK_BYTES])
+            with trio.move_on_after(0.5):
+                buf = await pool.alloc(n)
+                buf[:n] = bytes([rnd.randrange(6)]) * n
+                key = chunk.digest(buf[:n])
+                pool.adopt(key, buf, n)
+                pins.append(key)
+        elif op == "unpin" and pins:
+            pool.unpin(pins.pop(rnd.randrange(len(pins))))
+        elif op == "read" and pins:
+            await pool.read(rnd.choice(pins), fetch=None)
+        elif op == "drop":
+            pool.drop_clean()
+        elif op == "alloc":
+            with trio.move_on_after(0.1):
+                pool.release(await pool.alloc(CHUNK_BYTES))
+        clean = sum(e.charge for e in budget._evictable.values())
+        assert pool.free_fraction() == max(0.0, pool.budget_bytes - pool.used_bytes + clean) / pool.budget_bytes
+        checked += clean > 0
+    assert checked > 50  # the sum was non-zero often enough to mean something
+
+
 async def test_pinned_chunks_spill_instead_of_being_dropped(tmp_path):
     spill = SpillStore(str(tmp_path / "spill"))
     pool = StagingPool(2 * CHUNK_BYTES, spill, eager_spill=True)
