@@ -138,6 +138,7 @@ META_SQLITE_GROUP_MAX = 256  # sqlite: write transactions one group commit (one 
 ERRORS_KEPT_MAX = 100  # recent errors shown by `aiturbo status`
 READDIR_BATCH_ENTRIES = 256  # entries one FUSE readdir reads from the metadata engine
 IMPORT_READDIR_BATCH_ENTRIES = 1024  # entries an import reads at once to compare with a listing
+IMPORT_CREATE_BATCH_ENTRIES = 256  # new entries an import creates in one metadata transaction
 RENAME_READDIR_BATCH_ENTRIES = 512  # entries a renamed tree's walk reads at once
 DIRS_TO_CLEAN_MAX = 10_000  # removed directories whose backend directory waits to be removed
 # A backend directory whose entries the persister changed gets its mtime back

@@ -187,7 +187,6 @@ class MetaStore(ABC):
         row: InodeRow,
         *,
         inherit_xattr_prefix: bytes | None = INHERIT_XATTR_PREFIX,
-        imported: bool = False,
     ) -> InodeRow:
         """Allocate a new inode from ``row`` and link it as ``parent/name``.
 
@@ -195,13 +194,22 @@ class MetaStore(ABC):
         is set by the engine (2 for a directory, 1 otherwise).  A regular file
         without a state starts ``STATE_STAGED``; other types keep the state they
         come with (None: they live in the metadata only).
-        The parent's mtime/ctime are set to now (unless ``imported``: the
-        entry was in the backend's directory already, which did not change)
+        The parent's mtime/ctime are set to now (``create_imported``: not)
         and its nlink grows by one for a new directory.  A new directory or regular file gets a copy of
         the parent's xattrs whose name starts with ``inherit_xattr_prefix``
         (none if ``None``), except ``STATE_XATTR``.  Returns the stored row.
         Raises ``NotFound`` (parent), ``NotADirectory`` (parent), ``Exists``,
         ``InvalidArgument`` / ``NameTooLong`` (name or symlink target).
+        """
+
+    @abstractmethod
+    async def create_imported(self, parent: int, entries: Sequence[tuple[bytes, InodeRow]]) -> list[InodeRow | None]:
+        """``create(parent, name, row)`` of each entry, in one transaction, leaving the parent's times.
+
+        What an import found in a backend directory (which did not change:
+        it had the entries already); ``None`` for a name that
+        exists (a writer made it meanwhile: the namespace wins).  The other
+        errors are ``create``'s, and fail the whole call.
         """
 
     @abstractmethod

@@ -296,11 +296,14 @@ class SqlMetaStore(MetaStore):
         row: InodeRow,
         *,
         inherit_xattr_prefix: bytes | None = INHERIT_XATTR_PREFIX,
-        imported: bool = False,
     ) -> InodeRow:
         return await self._run(
-            _sql_namespace.create, parent, name, row, inherit_xattr_prefix, imported, write=True, dirs=(parent,)
+            _sql_namespace.create, parent, name, row, inherit_xattr_prefix, False, write=True, dirs=(parent,)
         )
+
+    async def create_imported(self, parent: int, entries: Sequence[tuple[bytes, InodeRow]]) -> list[InodeRow | None]:
+        return await self._run(_sql_namespace.create_imported, parent, list(entries), INHERIT_XATTR_PREFIX,
+                               write=True, dirs=(parent,))
 
     async def link(self, ino: int, new_parent: int, new_name: bytes) -> InodeRow:
         return await self._run(_sql_namespace.link, ino, new_parent, new_name, write=True, dirs=(new_parent,))

@@ -1,7 +1,7 @@
 """The SQL of the namespace: directory entries and the moves they leave behind.
 
 Transaction bodies of ``SqlMetaStore``'s lookup, lookup_path, readdir, paths_of,
-parent_of, create, link, unlink, rmdir and rename, and of the ``moves``
+parent_of, create, create_imported, link, unlink, rmdir and rename, and of the ``moves``
 table that a name change writes in its own transaction (see the schema in
 ``_sql``).  Each body is a function ``body(tx, *args)`` (see ``_sql_tx``);
 checks come before changes, so every error case is at the top of a body.
@@ -227,6 +227,16 @@ def create(tx: Tx, parent: int, name: bytes, row: InodeRow, prefix: bytes | None
     if prefix is not None and (is_dir or stat.S_ISREG(row.mode)):
         _inherit_xattrs(tx, parent, new.ino, prefix)
     return new
+
+
+def create_imported(tx: Tx, parent: int, entries: list[tuple[bytes, InodeRow]], prefix: bytes | None) -> list:
+    made: list[InodeRow | None] = []
+    for name, row in entries:
+        try:
+            made.append(create(tx, parent, name, row, prefix, True))
+        except err.Exists:  # raised before create changes anything
+            made.append(None)
+    return made
 
 
 def _check_new_row(row: InodeRow) -> None:

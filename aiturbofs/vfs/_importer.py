@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from .._errors import AiturboError, BackendError, BackendUnreachable, Exists, NotFound, TransientBackendError
+from .._errors import AiturboError, BackendError, BackendUnreachable, NotFound, TransientBackendError
 from .._limits import (
+    IMPORT_CREATE_BATCH_ENTRIES,
     IMPORT_DIRS_REMEMBERED_MAX,
     IMPORT_NODE_PROBES_IN_FLIGHT,
     IMPORT_READDIR_BATCH_ENTRIES,
@@ -228,6 +229,7 @@ class Importer:
             return
         self.fs.health.mark_up()
         listed = set()
+        new: list[tuple[bytes, InodeRow]] = []
         claimed: set[str] | None = None
         nodes = await self._probe_nodes(infos[:LIST_ENTRIES_MAX], existing)
         for info in infos[:LIST_ENTRIES_MAX]:
@@ -247,9 +249,12 @@ class Importer:
                     claimed = _with_dirs(await self.fs.persister.claimed_keys(listed_at))
                 if info.key in claimed or (info.key in nodes and nodes[info.key] is None):
                     continue
-                await self._create(dir_row, name, info, nodes.get(info.key))
+                new.append((name, self._new_row(info, nodes.get(info.key))))
             elif row.state == STATE_DURABLE and stat.S_ISREG(row.mode) and not info.is_dir:
                 await self._maybe_update(row, info)
+        # In batches (a transaction each, not one per entry); a name a writer made meanwhile stays its.
+        for at in range(0, len(new), IMPORT_CREATE_BATCH_ENTRIES):
+            await meta.create_imported(dir_row.ino, new[at:at + IMPORT_CREATE_BATCH_ENTRIES])
         for name, row in existing.items():
             if (name not in listed and row.state == STATE_DURABLE and not stat.S_ISDIR(row.mode)
                     and row.backend_keys == [self._key(prefix, name)]):
@@ -294,7 +299,8 @@ class Importer:
                 nursery.start_soon(probe, key)
         return found
 
-    async def _create(self, dir_row: InodeRow, name: bytes, info: ObjectInfo, node: NodeAttrs | None) -> None:
+    def _new_row(self, info: ObjectInfo, node: NodeAttrs | None) -> InodeRow:
+        """The row of an entry the listing shows and the namespace lacks (``node``: what a probe found)."""
         opts = self.fs.options
         mtime = info.mtime_ns or time.time_ns()
         uid = opts.owner_uid if info.uid is None else info.uid
@@ -320,10 +326,7 @@ class Importer:
                            backend_keys=[info.key], backend_etag=info.etag, persisted_version=0)
         # What the backend holds of it, or (where it keeps no attributes) stands in for that.
         row.persisted_attrs = row.attrs()
-        try:
-            await self.fs.meta.create(dir_row.ino, name, row, imported=True)
-        except Exists:
-            pass  # created meanwhile by a writer: the namespace wins
+        return row
 
     async def _maybe_update(self, row: InodeRow, info) -> None:
         if info.etag is None or info.etag == row.backend_etag or row.backend_keys != [info.key]:

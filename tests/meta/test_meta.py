@@ -295,10 +295,15 @@ class MetaConformance:
         """The backend's directory already had it: listing it must not make the directory new."""
         d = await store.create(ROOT_INO, b"d", dir_row())
         d = await store.set_attrs(d.ino, mtime_ns=T0, ctime_ns=T0)
-        await store.create(d.ino, b"f", file_row(), imported=True)
-        await store.create(d.ino, b"sub", dir_row(), imported=True)
+        await store.create(d.ino, b"taken", file_row())
+        d = await store.set_attrs(d.ino, mtime_ns=T0, ctime_ns=T0)
+        made = await store.create_imported(d.ino, [(b"f", file_row()), (b"taken", file_row()), (b"sub", dir_row())])
         row = await store.get_inode(d.ino)
         assert (row.mtime_ns, row.ctime_ns, row.nlink) == (T0, T0, 3)
+        # a name that exists stays the namespace's (None); the others are made, in one call
+        assert made[1] is None
+        assert [(await store.lookup(d.ino, name)).ino for name in (b"f", b"sub")] == [made[0].ino, made[2].ino]
+        assert stat.S_ISDIR(made[2].mode) and made[2].nlink == 2
 
     async def test_create_errors(self, store):
         f = await store.create(ROOT_INO, b"f", file_row())
