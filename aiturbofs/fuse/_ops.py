@@ -157,6 +157,7 @@ class Operations(pyfuse3.Operations):
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
             ctime_ns=attr.st_ctime_ns if fields.update_ctime else None,
+            kill_suidgid=getattr(fields, "kill_suidgid", False),  # (the kernel session's fields only)
         )
         return entry(row)
 
@@ -235,8 +236,8 @@ class Operations(pyfuse3.Operations):
         return await self.fs.read(fh, off, size)
 
     @fuse_handler
-    async def write(self, fh, off, buf):
-        return await self.fs.write(fh, off, buf)
+    async def write(self, fh, off, buf, kill_suidgid=False):
+        return await self.fs.write(fh, off, buf, kill_suidgid=kill_suidgid)
 
     @fuse_handler
     async def fallocate(self, fh, off, length, mode):

@@ -48,7 +48,11 @@ _INTERRUPTIBLE = {_abi.READ, _abi.WRITE}
 
 # what the session asks for in INIT (given that the kernel offers it)
 _WANT = (_abi.ASYNC_READ | _abi.ATOMIC_O_TRUNC | _abi.EXPORT_SUPPORT | _abi.BIG_WRITES | _abi.AUTO_INVAL_DATA
-         | _abi.DO_READDIRPLUS | _abi.ASYNC_DIO | _abi.PARALLEL_DIROPS | _abi.MAX_PAGES | _abi.INIT_EXT)
+         | _abi.DO_READDIRPLUS | _abi.ASYNC_DIO | _abi.PARALLEL_DIROPS | _abi.MAX_PAGES | _abi.INIT_EXT
+         # The daemon kills set-user/group-ID bits where the kernel says (a WRITE's or SETATTR's
+         # KILL_SUIDGID flag); in return the kernel remembers that a file has none to kill (S_NOSEC)
+         # instead of asking getxattr("security.capability") before each write(2).
+         | _abi.HANDLE_KILLPRIV_V2)
 
 
 class Context:
@@ -64,7 +68,7 @@ class SetattrFields:
     """What pyfuse3 passes as ``fields`` to setattr."""
 
     __slots__ = ("update_atime", "update_mtime", "update_ctime", "update_mode", "update_uid", "update_gid",
-                 "update_size")
+                 "update_size", "kill_suidgid")
 
     def __init__(self, valid: int):
         self.update_atime = bool(valid & (_abi.FATTR_ATIME | _abi.FATTR_ATIME_NOW))
@@ -74,6 +78,8 @@ class SetattrFields:
         self.update_uid = bool(valid & _abi.FATTR_UID)
         self.update_gid = bool(valid & _abi.FATTR_GID)
         self.update_size = bool(valid & _abi.FATTR_SIZE)
+        # (not pyfuse3's: a chown, or a truncate by a caller without CAP_FSETID, under HANDLE_KILLPRIV_V2)
+        self.kill_suidgid = bool(valid & _abi.FATTR_KILL_SUIDGID)
 
 
 _SECURITY_CAPABILITY_Z = b"security.capability\0"
@@ -227,10 +233,12 @@ class KernelSession:
     def _answered_here(self, buf: bytearray, n: int) -> bool:
         """Answer the kernel's ``security.capability`` getxattr in the loop itself, without a task.
 
-        Under passthrough the kernel asks it before every write(2) to a file
-        (``file_remove_privs``: FUSE does not let it remember the answer), and
-        the writer waits for the reply: a task and the handler chain are
-        most of that wait, for an answer that is always "none".
+        The kernel asks it before the first write(2) to each file it has
+        not seen without privileges to kill yet (``file_remove_privs``; under
+        HANDLE_KILLPRIV_V2 it then remembers, S_NOSEC), and before a chown:
+        once per small file written.  The writer waits for the reply: a task
+        and the handler chain are most of that wait, for an answer that is
+        always "none".
         """
         if n != _GETXATTR_CAPABILITY_BYTES:
             return False
@@ -548,7 +556,8 @@ class KernelSession:
         data = body[_abi.WRITE_IN.size:_abi.WRITE_IN.size + w.size]
         if len(data) != w.size:
             raise _Malformed(f"WRITE of {w.size} bytes carries {len(data)}")
-        return _abi.WRITE_OUT.pack(size=await self.ops.write(w.fh, w.offset, data))
+        kill = bool(w.write_flags & _abi.WRITE_KILL_SUIDGID)  # the writer lacks CAP_FSETID
+        return _abi.WRITE_OUT.pack(size=await self.ops.write(w.fh, w.offset, data, kill_suidgid=kill))
 
     async def _statfs(self, head, body):
         s = await self.ops.statfs(self._ctx(head))

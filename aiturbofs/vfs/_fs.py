@@ -44,7 +44,7 @@ from . import _xattr
 from ._content import FileContent
 from ._durability import Durability
 from ._importer import Importer
-from ._inodes import Handle, Inode, InodeTable
+from ._inodes import Handle, Inode, InodeTable, without_suidgid
 from ._kernel_io import absorb, being_written, close_kernel, open_kernel, run_charger, stamp_kernel_mtime
 from ._namespace import Namespace
 from ._objects import ObjectChunks
@@ -245,7 +245,11 @@ class Filesystem:
         atime_ns: int | None = None,
         mtime_ns: int | None = None,
         ctime_ns: int | None = None,
+        kill_suidgid: bool = False,
     ) -> InodeRow:
+        """chmod, chown, truncate, utime.  ``kill_suidgid``: the kernel asks the set-user/group-ID
+        bits killed (``without_suidgid``) with the change (FATTR_KILL_SUIDGID: a chown, or a
+        truncate by a caller without CAP_FSETID)."""
         node = await self.inodes.load(ino)
         if being_written(node) and size is not None:
             # What the kernel wrote comes before the cut.  A chmod, chown or atime change orders with
@@ -276,6 +280,10 @@ class Filesystem:
                 await self.writer.commit(node)
         if mode is not None:
             fields["mode"] = (node.row.mode & stat.S_IFMT(0o170000)) | (mode & 0o7777)
+        if kill_suidgid and stat.S_ISREG(node.row.mode):
+            before = fields.get("mode", node.row.mode)
+            if without_suidgid(before) != before:
+                fields["mode"] = without_suidgid(before)
         if uid is not None:
             fields["uid"] = uid
         if gid is not None:
@@ -364,16 +372,19 @@ class Filesystem:
                 node.row.mtime_ns = now_ns()
             if kernel:
                 await self.writer.cut_backing(content, 0)
-            if uid != 0 and row.mode & (stat.S_ISUID | stat.S_ISGID):
-                # as truncate(2) by a caller without CAP_FSETID: set-user-ID goes, and set-group-ID where
-                # the group may execute (the kernel asks for that at a truncating setattr, not here)
-                mode = row.mode & ~stat.S_ISUID
-                if mode & stat.S_IXGRP:
-                    mode &= ~stat.S_ISGID
-                if mode != row.mode:
-                    row = await self.setattr(ino, mode=mode & 0o7777)
+            if uid != 0 and without_suidgid(row.mode) != row.mode:
+                # as truncate(2) by a caller without CAP_FSETID (the kernel asks for that at a
+                # truncating setattr, not here)
+                row = await self.setattr(ino, mode=without_suidgid(row.mode) & 0o7777)
         elif writable and row.manifest is None and any(s is not None and s.is_external for s in content.slots):
             await self.reader.hash_external(node, content)
+        if (writable and uid != 0 and without_suidgid(row.mode) != row.mode
+                and content.backing is not None and content.backing.kernel_opens > 0):
+            # The kernel serves the file itself (passthrough), so it must serve this open too, and
+            # its writes never reach us to kill the set-user/group-ID bits: a writer without
+            # CAP_FSETID kills them at open.  (A first such writer is served through requests,
+            # whose WRITEs say when to kill them: ``open_kernel``.)
+            row = await self.setattr(ino, mode=without_suidgid(row.mode) & 0o7777)
         handle = self.inodes.open_handle(node, flags)
         if not writable and not content.dirty:
             await self.reader.join_read_round(node)
@@ -494,8 +505,13 @@ class Filesystem:
         """Chunk ``key`` (chunk ``index`` of ``ino``) for the cluster: a read round's prefetch, a chain successor."""
         return await self.reader.read_chunk(ino, index, key, length)
 
-    async def write(self, fh: int, offset: int, data) -> int:
-        return await self.writer.write(self.inodes.handle(fh).inode, offset, data)
+    async def write(self, fh: int, offset: int, data, *, kill_suidgid: bool = False) -> int:
+        """``kill_suidgid``: the writer lacks CAP_FSETID (the kernel's FUSE_WRITE_KILL_SUIDGID), so the
+        write kills the set-user/group-ID bits, as on a local filesystem (``without_suidgid``)."""
+        node = self.inodes.handle(fh).inode
+        if kill_suidgid and without_suidgid(node.row.mode) != node.row.mode:
+            await self.setattr(node.ino, fh=fh, kill_suidgid=True)
+        return await self.writer.write(node, offset, data)
 
     async def fallocate(self, fh: int, offset: int, length: int, mode: int) -> None:
         """fallocate(2) modes 0, KEEP_SIZE, PUNCH_HOLE|KEEP_SIZE and ZERO_RANGE (with or without

@@ -9,6 +9,7 @@ inodes it hands them.
 """
 
 import os
+import stat
 
 from ..meta import InodeRow, MetaStore
 from . import _xattr
@@ -44,6 +45,16 @@ class Inode:
     def live(self) -> bool:
         """Size and mtime in ``row`` are ahead of the metadata engine's."""
         return self.content is not None and (self.content.dirty or self.opens > 0)
+
+
+def without_suidgid(mode: int) -> int:
+    """``mode`` as a write or truncate by a caller without CAP_FSETID (or any chown) leaves it:
+    set-user-ID goes, and set-group-ID where the group may execute (without group execute it
+    marks mandatory locking and stays), as the kernel does on local filesystems."""
+    mode &= ~stat.S_ISUID
+    if mode & stat.S_IXGRP:
+        mode &= ~stat.S_ISGID
+    return mode
 
 
 class Handle:

@@ -67,6 +67,7 @@ from .._limits import HASH_INLINE_BYTES_MAX, KERNEL_CHARGE_POLL_S, PASSTHROUGH_F
 from .._threads import background
 from ..staging import BackingArea, BackingFile, Range, StagingPool, content_key_of, is_hole, room_in
 from ._content import FileContent, Slot
+from ._inodes import without_suidgid
 
 if TYPE_CHECKING:
     from ._inodes import Handle, Inode
@@ -126,6 +127,11 @@ async def open_kernel(fs: KernelHost, handle: Handle) -> int | None:
         if node.served > 1 or (content.dirty and not empty):
             # open through requests already (the kernel would refuse the mix), or being written that way
             log.debug("inode %d served through requests: %s", node.ino, "open already" if node.served > 1 else "dirty")
+            return None
+        if handle.writable and without_suidgid(node.row.mode) != node.row.mode:
+            # A writer without CAP_FSETID must kill the set-user/group-ID bits; the kernel has us do it
+            # at each WRITE (FUSE_WRITE_KILL_SUIDGID) but says nothing of the writes it serves itself.
+            log.debug("inode %d served through requests: a writer of a set-user/group-ID file", node.ino)
             return None
         to_disk = empty and handle.writable and _disk_has_room(fs)
         if not (to_disk or backing.on_disk) and fs.pool.free_fraction() < PASSTHROUGH_FREE_FRACTION_MIN:

@@ -264,9 +264,10 @@ def test_status_counts_requests_and_their_time_by_opcode_and_a_small_file_costs_
     assert set(ms_after) == set(after) and ms_after["create"] > ms_before.get("create", 0), ms_after
 
 
-def test_every_passthrough_write_asks_security_capability_and_is_answered_none(pmnt):
-    """The kernel asks getxattr security.capability before each write(2) to a passthrough file (it may not
-    remember the answer on FUSE): the session answers ENODATA in its loop, and the other xattrs still work."""
+def test_a_passthrough_writer_asks_security_capability_once_and_is_answered_none(pmnt):
+    """Before a write(2) the kernel asks getxattr security.capability (are there privileges to kill?).  With
+    FUSE_HANDLE_KILLPRIV_V2 it remembers the answer (S_NOSEC): one request for 50 writes, not 50 (the
+    session answers ENODATA in its loop), and the other xattrs still work."""
     fd = os.open(pmnt.path("w"), os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         before = fuse_counts(pmnt)["by_opcode"]
@@ -275,7 +276,7 @@ def test_every_passthrough_write_asks_security_capability_and_is_answered_none(p
         after = fuse_counts(pmnt)["by_opcode"]
     finally:
         os.close(fd)
-    assert after.get("getxattr", 0) - before.get("getxattr", 0) == 50 and after.get("write", 0) == before.get("write", 0)
+    assert after.get("getxattr", 0) - before.get("getxattr", 0) <= 1 and after.get("write", 0) == before.get("write", 0)
     with pytest.raises(OSError) as caught:
         os.getxattr(pmnt.path("w"), "security.capability")
     assert caught.value.errno == errno.ENODATA

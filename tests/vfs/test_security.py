@@ -143,6 +143,61 @@ def test_open_with_o_trunc_by_another_user_clears_setuid_and_setgid(make_mount):
 
 
 @pytest.mark.root("running a child as another user")
+def test_truncate_by_another_user_and_any_chown_clear_setuid_and_setgid(make_mount):
+    # As on tmpfs and ext4: a truncate by a user without CAP_FSETID, and a chown by anyone, kill
+    # set-user-ID, and set-group-ID where the group may execute; a truncate or write by root keeps
+    # them.  (The kernel session asks the kernel to leave that to the daemon, HANDLE_KILLPRIV_V2: it
+    # then says when in the SETATTR or WRITE, and the daemon kills them.)
+    m = make_mount()
+    cut = {"suid": (0o4777, 0o777), "both": (0o6777, 0o777), "sgid_noexec": (0o2766, 0o2766)}
+    chowned = {"c_both": (0o6755, 0o755), "c_suid": (0o4700, 0o700), "c_sgid_noexec": (0o2745, 0o2745)}
+    for name, (mode, _) in {**cut, **chowned, "by_root": (0o6777, 0)}.items():
+        _write(m.path(name), b"old", mode)
+    fd = os.open(m.mountpoint, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        out = _as_nobody(f"for name in {list(cut)!r}:\n"
+                         "    f = os.open(name, os.O_WRONLY, dir_fd=D)\n"
+                         "    os.ftruncate(f, 1)\n"
+                         "    os.close(f)\n"
+                         "    print(oct(os.stat(name, dir_fd=D).st_mode & 0o7777))\n", fd)
+    finally:
+        os.close(fd)
+    assert out == [oct(after) for _, after in cut.values()], out
+    for name in chowned:
+        os.chown(m.path(name), 1234, 1234)
+    for name, (_, after) in {**cut, **chowned}.items():
+        st = os.stat(m.path(name))
+        assert stat.S_IMODE(st.st_mode) == after, name
+        assert st.st_size == (1 if name in cut else 3), name
+    with open(m.path("by_root"), "r+b") as f:
+        f.truncate(2)
+        f.write(b"root")
+    assert stat.S_IMODE(os.stat(m.path("by_root")).st_mode) == 0o6777
+    assert open(m.path("by_root"), "rb").read() == b"root"
+
+
+@pytest.mark.root("running a child as another user")
+def test_another_user_writing_a_setuid_file_others_have_open_clears_the_bits(make_mount):
+    # A file the kernel serves itself (passthrough, while a reader has it open) must serve every open
+    # of it so: the daemon never sees those writes, so a writer without CAP_FSETID kills the bits at
+    # its open.  On the other data paths the WRITE (or the kernel's setattr) does.
+    m = make_mount()
+    _write(m.path("suid"), b"old", 0o4777)
+    fd = os.open(m.mountpoint, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with open(m.path("suid"), "rb") as reader:
+            out = _as_nobody("f = os.open('suid', os.O_WRONLY, dir_fd=D)\n"
+                             "os.write(f, b'new')\n"
+                             "os.close(f)\n"
+                             "print(oct(os.stat('suid', dir_fd=D).st_mode & 0o7777))\n", fd)
+            assert reader.read() == b"new"
+    finally:
+        os.close(fd)
+    assert out == ["0o777"], out
+    assert stat.S_IMODE(os.stat(m.path("suid")).st_mode) == 0o777
+
+
+@pytest.mark.root("running a child as another user")
 def test_allow_other_no_keeps_other_users_out(make_mount):
     m = make_mount(allow_other="no")
     per_mount, per_sb = _mountinfo(m.mountpoint)
