@@ -49,8 +49,10 @@ class Inode:
 
 def without_suidgid(mode: int) -> int:
     """``mode`` as a write or truncate by a caller without CAP_FSETID (or any chown) leaves it:
-    set-user-ID goes, and set-group-ID where the group may execute (without group execute it
-    marks mandatory locking and stays), as the kernel does on local filesystems."""
+    set-user-ID goes, and set-group-ID where the group may execute (the rule <linux/fuse.h> gives
+    for HANDLE_KILLPRIV_V2).  Local filesystems on current kernels also drop set-group-ID without
+    group execute when the caller is not in the file's group: the daemon is not told the
+    caller's groups, so that one stays."""
     mode &= ~stat.S_ISUID
     if mode & stat.S_IXGRP:
         mode &= ~stat.S_ISGID
