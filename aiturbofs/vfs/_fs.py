@@ -375,7 +375,7 @@ class Filesystem:
             if uid != 0 and without_suidgid(row.mode) != row.mode:
                 # as truncate(2) by a caller without CAP_FSETID (the kernel asks for that at a
                 # truncating setattr, not here)
-                row = await self.setattr(ino, mode=without_suidgid(row.mode) & 0o7777)
+                row = await self.setattr(ino, kill_suidgid=True)
         elif writable and row.manifest is None and any(s is not None and s.is_external for s in content.slots):
             await self.reader.hash_external(node, content)
         if (writable and uid != 0 and without_suidgid(row.mode) != row.mode
@@ -384,7 +384,7 @@ class Filesystem:
             # its writes never reach us to kill the set-user/group-ID bits: a writer without
             # CAP_FSETID kills them at open.  (A first such writer is served through requests,
             # whose WRITEs say when to kill them: ``open_kernel``.)
-            row = await self.setattr(ino, mode=without_suidgid(row.mode) & 0o7777)
+            row = await self.setattr(ino, kill_suidgid=True)
         handle = self.inodes.open_handle(node, flags)
         if not writable and not content.dirty:
             await self.reader.join_read_round(node)

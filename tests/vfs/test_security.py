@@ -144,10 +144,12 @@ def test_open_with_o_trunc_by_another_user_clears_setuid_and_setgid(make_mount):
 
 @pytest.mark.root("running a child as another user")
 def test_truncate_by_another_user_and_any_chown_clear_setuid_and_setgid(make_mount):
-    # As on tmpfs and ext4: a truncate by a user without CAP_FSETID, and a chown by anyone, kill
-    # set-user-ID, and set-group-ID where the group may execute; a truncate or write by root keeps
-    # them.  (The kernel session asks the kernel to leave that to the daemon, HANDLE_KILLPRIV_V2: it
-    # then says when in the SETATTR or WRITE, and the daemon kills them.)
+    # A truncate by a user without CAP_FSETID, and a chown by anyone, kill set-user-ID, and
+    # set-group-ID where the group may execute (the rule <linux/fuse.h> gives; tmpfs on current
+    # kernels also drops set-group-ID without group execute for a caller outside the file's group);
+    # a truncate or write by root keeps them.  (The kernel session asks the kernel to leave that to
+    # the daemon, HANDLE_KILLPRIV_V2: it then says when in the SETATTR or WRITE, and the daemon
+    # kills them.)
     m = make_mount()
     cut = {"suid": (0o4777, 0o777), "both": (0o6777, 0o777), "sgid_noexec": (0o2766, 0o2766)}
     chowned = {"c_both": (0o6755, 0o755), "c_suid": (0o4700, 0o700), "c_sgid_noexec": (0o2745, 0o2745)}
