@@ -26,8 +26,9 @@ fsynced); a clean one is kept in an LRU of its own, trimmed to
 When a writer needs memory and
 the budget is spent, the pool evicts clean entries, then spills pinned ones
 (at once with ``-o spill``; otherwise after ``SPILL_WAIT_S`` of waiting for
-persist, and then at once until persist frees a chunk), then waits.  A write therefore never fails because the pool is
-full, and a pinned chunk is only ever released after it is on disk.
+persist, and then at once until persist frees a chunk), then waits.  A
+write therefore never fails because the pool is full, and a pinned chunk is
+only ever released after it is on disk.
 
 The pool knows nothing of files, paths or backends: callers pass a ``fetch``
 coroutine for chunks it does not hold.  It runs on the trio thread only.
