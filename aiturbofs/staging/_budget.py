@@ -58,6 +58,8 @@ class Budget:
         self._on_disk_pinned_bytes = 0
         self.free: list[bytearray] = []  # recycled full-size buffers (counted in used_bytes)
         self._freed = trio.Event()
+        # A writer waited SPILL_WAIT_S for persist to free memory, and nothing was freed since: spill at once.
+        self._persist_stalled = False
         self._spill_wanted = trio.Event()
         self._lease_returned = trio.Event()
         self.waiting_writers = 0
@@ -107,7 +109,7 @@ class Budget:
                     continue
                 if not wait:
                     return False
-                if (self.eager_spill or waited_s >= SPILL_WAIT_S) and await self._spill_one():
+                if (self.eager_spill or self._persist_stalled or waited_s >= SPILL_WAIT_S) and await self._spill_one():
                     continue
                 if self._refusal is not None:
                     raise NoSpace(self._refusal)
@@ -117,8 +119,16 @@ class Budget:
                     await self._freed.wait()
                 if scope.cancelled_caught:
                     waited_s += 0.1 if self.eager_spill else SPILL_WAIT_S
+                    # Nothing freed in that time: what is pinned is the open files' own (persist starts at
+                    # close).  The writers after this one spill at once instead of waiting again for each
+                    # chunk, until persist frees a chunk (``note_unpinned``).
+                    self._persist_stalled = True
         finally:
             self.waiting_writers -= 1
+
+    def note_unpinned(self) -> None:
+        """A chunk lost its last pin (its bytes are durable): persist frees memory, writers wait for it again."""
+        self._persist_stalled = False
 
     def unreserve(self, charge: int) -> None:
         """Give back bytes counted by ``reserve``."""

@@ -25,9 +25,10 @@ fsynced); a clean one is kept in an LRU of its own, trimmed to
 
 When a writer needs memory and
 the budget is spent, the pool evicts clean entries, then spills pinned ones
-(at once with ``-o spill``, after ``SPILL_WAIT_S`` of waiting for persist
-otherwise), then waits.  A write therefore never fails because the pool is
-full, and a pinned chunk is only ever released after it is on disk.
+(at once with ``-o spill``; otherwise after ``SPILL_WAIT_S`` of waiting for
+persist, and then at once until persist frees a chunk), then waits.  A
+write therefore never fails because the pool is full, and a pinned chunk is
+only ever released after it is on disk.
 
 The pool knows nothing of files, paths or backends: callers pass a ``fetch``
 coroutine for chunks it does not hold.  It runs on the trio thread only.
@@ -485,9 +486,11 @@ class StagingPool:
         e = self._entries.get(key)
         assert e is not None and e.pins > 0, "unpin without pin"
         e.pins -= 1
-        if e.pins == 0 and e.spilled:
-            self.spill.discard(key)  # durable now: the disk copy is no longer needed
-            e.spilled = False
+        if e.pins == 0:
+            self._budget.note_unpinned()
+            if e.spilled:
+                self.spill.discard(key)  # durable now: the disk copy is no longer needed
+                e.spilled = False
         self._budget.place(e)
 
     def pinned(self, key: bytes) -> bool:

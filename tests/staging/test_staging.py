@@ -12,6 +12,7 @@ from aiturbofs import chunk
 from aiturbofs._errors import IntegrityError
 from aiturbofs._limits import CHUNK_BYTES
 from aiturbofs.staging import SPILL_FILES_DIR, BackingArea, Pins, SpillStore, StagingPool, content_key_of, room_in
+from aiturbofs.staging import _budget as staging_budget
 from aiturbofs.staging._backing import SPARES_DIR, SpareFiles, punch_hole
 
 
@@ -116,6 +117,31 @@ async def test_writer_waits_for_persist_without_spill_option(tmp_path):
         pool.unpin(a)  # "persisted": a becomes clean and evictable
         pool._budget.notify_freed()
     assert got and len(got[0]) == CHUNK_BYTES
+
+
+async def test_a_writer_that_waited_in_vain_for_persist_spills_at_once_until_persist_frees(tmp_path, monkeypatch):
+    # One file bigger than the budget, still open: its chunks stay pinned until it is closed and persisted, so
+    # waiting for persist cannot free anything.  Each writer waited SPILL_WAIT_S before spilling one chunk:
+    # 8 MiB per 2 s (pyfuse3 wrote such a file at 3.9 MiB/s).  After one wait in vain, spills come at once.
+    wait_s = 1.0
+    monkeypatch.setattr(staging_budget, "SPILL_WAIT_S", wait_s)
+    pool = StagingPool(2 * CHUNK_BYTES, SpillStore(str(tmp_path / "spill")), eager_spill=False)
+    keys = [await _sealed(pool, 1), await _sealed(pool, 2)]
+    start = trio.current_time()
+    for fill in range(3, 9):
+        keys.append(await _sealed(pool, fill))
+    assert trio.current_time() - start < 3.5 * wait_s  # one wait (and six spills), not one per chunk
+    assert all(pool.pinned(k) for k in keys) and pool.used_bytes <= pool.budget_bytes
+    for fill, key in enumerate(keys, start=1):
+        assert bytes((await pool.read(key, fetch=None))[:10]) == bytes([fill]) * 10
+    # persist frees memory again (a chunk became durable): the next writer waits for persist before it spills
+    for key in keys:
+        pool.unpin(key)
+    await _sealed(pool, 9)
+    await _sealed(pool, 10)
+    start = trio.current_time()
+    await _sealed(pool, 11)
+    assert trio.current_time() - start >= wait_s, "a writer must wait for persist before it spills"
 
 
 async def test_durable_chunk_leaves_the_spill_dir(tmp_path):
