@@ -2,7 +2,10 @@
 
 A chunk counts as found where its bytes hash (BLAKE3) to the manifest: in
 the file's own backing file, the spill store, or (a chunk deduplicated into
-another file's range) another backing file the previous run left.  A file
+another file's range) another backing file the previous run left: of a file
+removed before the crash, or of a staged file that dropped the chunk
+without writing its range (a truncate, a shorter rewrite, a punched hole),
+where the chunk stayed for the file that shares it.  A file
 none of whose copies survived (and that no replica holds) is broken, unless
 its upload made it to the backend before the daemon stopped.
 """
@@ -58,10 +61,14 @@ class Recovery:
                         break
                 else:
                     wanted[k] = length
-        for orphan in staging.orphans({row.ino for row in rows}):
+        # A chunk deduplicated into another file's range stays there when that file drops it without
+        # writing the range (a truncate, a shorter rewrite, a punched hole): look in every range no
+        # file took, of the files removed before the crash and of the staged ones alike.
+        others = staging.orphans({row.ino for row in rows}) + [b for row in rows for b in staging.existing(row.ino)]
+        for backing in others:
             if not wanted:
                 break
-            await self._recover_from_orphan(orphan, wanted, held)
+            await self._recover_from_other(backing, wanted, held)
         for row in rows:
             keys = chunk.unpack_manifest(row.manifest or b"")
             present = [k for k in keys if k != chunk.HOLE]
@@ -135,10 +142,12 @@ class Recovery:
         held.append(key)
         return True
 
-    async def _recover_from_orphan(self, backing, wanted: dict, held: list[bytes]) -> None:
-        """Look for ``wanted`` chunks in the backing file of a file removed before the crash."""
+    async def _recover_from_other(self, backing, wanted: dict, held: list[bytes]) -> None:
+        """Look for ``wanted`` chunks in the ranges of ``backing`` that recovery took for nothing yet."""
         lengths = set(wanted.values())
         for index in range(chunk.chunk_count(backing.size)):
+            if backing.range(index).entry is not None:
+                continue  # its own file's chunk (or one found there already)
             for length in lengths:
                 try:
                     found = await trio.to_thread.run_sync(content_key_of, backing.path, index * CHUNK_BYTES, length)

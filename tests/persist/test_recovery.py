@@ -15,6 +15,7 @@ stopping it, since a restarted moto is empty.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import os
@@ -40,6 +41,9 @@ IMPORT_SETTLE_S = 1.6  # import_ttl=0.5 (tests' default) + the kernel's 1 s attr
 # Mounts that see a frozen S3 server: no re-listing of directories (one that
 # started before the freeze waits out the S3 read timeout in the background).
 NO_REIMPORT = {"import_ttl": 3600}
+_libc = ctypes.CDLL(None, use_errno=True)  # fallocate(2) with a mode (os has only posix_fallocate)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
 
 def chunk_keys(data: bytes) -> list[str]:
@@ -261,6 +265,62 @@ def test_kill9_keeps_a_deduplicated_chunk_whose_home_was_written_again(s3m, data
     assert s3m.objects()["twin.bin"] == shared
     assert "broken" not in m2.log()
     assert_no_bug(m2.log())
+
+
+def _cut_home(path: str, how: str, keep: int) -> bytes:
+    """Make the file at ``path`` drop its chunks past ``keep`` bytes without writing their ranges; what it holds."""
+    if how == "truncate":
+        os.truncate(path, keep)
+    elif how == "rewrite":
+        put(path, b"h" * keep)  # O_TRUNC, then a shorter file
+        return b"h" * keep
+    else:  # punch: the chunks past ``keep`` become a hole, the size stays
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, keep, size - keep) != 0:
+                err = ctypes.get_errno()
+                if err == errno.EOPNOTSUPP:
+                    pytest.skip("this data path has no fallocate")
+                raise OSError(err, os.strerror(err))
+        finally:
+            os.close(fd)
+    return b""
+
+
+@pytest.mark.parametrize("how", ["truncate", "rewrite", "punch"])
+@pytest.mark.parametrize("datapath", ["auto", "pyfuse3"])
+def test_kill9_keeps_a_deduplicated_chunk_whose_home_file_dropped_it(s3m, datapath, how):
+    """A chunk two staged files share lives once, in the range of the file that sealed it first.  When
+    that file drops the chunk without writing its range (a truncate, an O_TRUNC rewrite that ends
+    shorter, a punched hole), the chunk stays in that range for the other file, and a kill -9 must not
+    lose it.  The restart used to look for a chunk only at its own index of its own file's backing
+    file (and in the files of removed inodes): the copy was EIO after the restart (the torture suite's
+    kill -9 case, seed 12: a copy, then a truncate of the file copied)."""
+    m = s3m.mount(datapath=datapath, **NO_REIMPORT)
+    shared = secrets.token_bytes(2 * CHUNK + 5000)  # the last chunk is short: a tail only the cut drops
+    os.listdir(m.mountpoint)  # (the root's import, before S3 stops answering)
+    s3m.server.freeze()  # everything stays staged
+    put(m.path("home.bin"), shared)
+    put(m.path("twin.bin"), shared)  # deduplicated into home.bin's ranges
+    keep = CHUNK + 4096
+    home = _cut_home(m.path("home.bin"), how, keep)
+    if how == "truncate":
+        home = shared[:keep]
+    elif how == "punch":
+        home = shared[:keep] + bytes(len(shared) - keep)
+    m.kill()
+    s3m.server.thaw()
+    m2 = remount(s3m, m)
+    assert get(m2.path("twin.bin")) == shared
+    assert get(m2.path("home.bin")) == home
+    r = aiturbo("wait", m2.mountpoint, check=False, timeout=WAIT_S)
+    assert r.returncode == 0, r.stderr
+    objects = s3m.objects()
+    assert objects["twin.bin"] == shared and objects["home.bin"] == home
+    log = m2.log()
+    assert "broken" not in log
+    assert_no_bug(log)
 
 
 def test_kill9_before_the_backend_follows_renames_and_links_keeps_them(s3m):
