@@ -202,6 +202,9 @@ class Budget:
         """End one lease of ``e``."""
         e.leases -= 1
         if not e.leases:
+            for buf in e.lent:
+                self.release(buf)  # (a copy the entry no longer counts on)
+            e.lent.clear()
             self._lease_returned.set()
             self._lease_returned = trio.Event()
             self.notify_freed()  # it may be evicted now: a waiting writer looks again

@@ -12,7 +12,7 @@ log = logging.getLogger("aiturbofs.staging._pool")
 class Entry:
     """One sealed chunk, in memory as ``buf[:length]`` or as a backing file's range ``rng``."""
 
-    __slots__ = ("key", "buf", "rng", "length", "charge", "pins", "leases", "spilled", "volatile", "sealed_as")
+    __slots__ = ("key", "buf", "rng", "length", "charge", "pins", "leases", "lent", "spilled", "volatile", "sealed_as")
 
     def __init__(self, key: bytes, buf: bytearray | None, length: int):
         self.key = key
@@ -22,6 +22,9 @@ class Entry:
         self.charge = len(buf) if buf is not None else 0  # budget bytes its memory counts for
         self.pins = 0  # not-yet-durable references: the bytes must not be lost
         self.leases = 0  # readers working outside the trio thread: do not recycle
+        # Buffers that were the chunk's copy until a range became its home while readers held them
+        # (``StagingPool.adopt_range``): given back to the pool when the last lease ends.
+        self.lent: list[bytearray] = []
         self.spilled = False  # a verified copy is in the spill store
         # In a range the kernel may still write (its file is open in passthrough mode for writing):
         # read only after hashing it again, never evicted or spilled, until ``steady``.

@@ -252,7 +252,7 @@ class StagingPool:
         if e is not None and e.volatile:
             self._leave_volatile(e)  # a copy the kernel may change: this range is the chunk now
             e = self._entries.get(key)  # gone if nothing pinned it (a durable chunk the kernel may change)
-        if (e is not None and not e.leases and (e.buf is not None or _unused(e.rng))
+        if (e is not None and (e.buf is not None or (not e.leases and _unused(e.rng)))
                 and not (e.pins and rng.file.kernel_writers)):
             # The chunk's bytes arrive in a file's range while its copy is a buffer, or a range of a
             # file nobody uses any more (a cache of a removed file): the file's own range is where it
@@ -260,9 +260,14 @@ class StagingPool:
             # serve it), the other copy goes.  Not into a range the kernel may write if another file's
             # version not yet durable counts on the chunk: the kernel's next write there would take its
             # only copy (that one outlives a crash already: a range, or a buffer spilled by take_range).
+            # A buffer a reader holds moves too, and goes back once the last lease ends: left the
+            # chunk's copy, it was the only one of a version this pins, which a kill -9 lost.
             if e.buf is not None:
                 buf, e.buf = e.buf, None
-                self.release(buf)
+                if e.leases:
+                    e.lent.append(buf)
+                else:
+                    self.release(buf)
             else:
                 old, e.rng = e.rng, None
                 assert old is not None
@@ -432,7 +437,7 @@ class StagingPool:
         if e is not None and e.volatile:
             self._leave_volatile(e)  # a copy the kernel may change is no copy to count on: this one is
             e = self._entries.get(key)
-        if e is not None and (e.resident or e.spilled):
+        if e is not None and _kept(e, into):
             self.pin(key)
             return
         n = len(data)
@@ -444,7 +449,7 @@ class StagingPool:
             return
         await self.reserve(charge)
         e = self._entries.get(key)
-        if e is not None and (e.resident or e.spilled):  # the same chunk arrived while we waited
+        if e is not None and _kept(e, into):  # the same chunk arrived while we waited
             self.unreserve(charge)
             self.pin(key)
             return
@@ -537,6 +542,12 @@ class Pins:
         self.released = True
         for key in self.keys:
             self._pool.unpin(key)
+
+
+def _kept(e: Entry, into: Range | None) -> bool:
+    """Whether ``e`` keeps a copy as lasting as ``store`` was asked for: in a range or the spill store
+    where ``into`` names a range (a cached buffer would not outlive a crash: the range takes it over)."""
+    return e.rng is not None or e.spilled or (into is None and e.buf is not None)
 
 
 def _unused(rng: Range | None) -> bool:
