@@ -265,8 +265,16 @@ class Reconciler:
                 await self.uploads.forget_sources(target)  # the object there is replaced
                 # The attributes as they are now (a chmod while the data went
                 # out included); a later change is pushed by the next loop.
-                attrs = (await self.meta.get_inode(row.ino)).attrs()
+                now = await self.meta.get_inode(row.ino)
+                attrs = now.attrs()
                 node = NodeAttrs(*attrs)
+                if target not in now.backend_keys:
+                    # Recorded before the object appears: a kill -9 between the publish and the durable
+                    # record below left an object no row named, and when the file was unlinked meanwhile
+                    # the restart deleted nothing and the import brought the removed name back.  Named
+                    # before it is there, the key holds nothing or our own object (``free_for``), and
+                    # the reconcile that follows a restart deletes or replaces it.
+                    await self.meta.set_attrs(row.ino, backend_keys=[*now.backend_keys, target])
                 async with self.claims.key_lock(target):
                     if not await self._place(lambda: self._complete(upload, row.size, node, published), target):
                         raise _Deferred

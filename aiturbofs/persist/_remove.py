@@ -19,6 +19,7 @@ expect it held (the reconciler calls them from its publish and move
 paths, under it).  Each backend key is touched under its ``key_lock``.
 """
 
+import errno
 import logging
 import secrets
 import stat
@@ -26,7 +27,7 @@ from typing import Protocol
 
 import trio
 
-from .._errors import BackendError
+from .._errors import BackendError, TransientBackendError
 from ..backend import ASIDE_PREFIX, Backend
 from ..meta import InodeRow, MetaStore
 from ._claims import KeyClaims, parent_key
@@ -68,7 +69,7 @@ class Removals:
         except BackendError as exc:
             log.info("backend directory %s not removed: %s", path, exc)
 
-    async def _move_aside(self, ino: int, keys: list[str], i: int) -> str:
+    async def _move_aside(self, ino: int, keys: list[str], i: int) -> str | None:
         """Move ``ino``'s object at ``keys[i]`` to a hidden key beside it and record it there.  With ``ns_lock``."""
         key = keys[i]
         head, _, _ = key.rpartition("/")
@@ -78,7 +79,16 @@ class Removals:
         # listing meanwhile must not take the hidden name for a new file.
         async with self.claims.key_lock(key), self.claims.key_lock(aside):
             await self.uploads.forget_sources(key)
-            await self.backend.move(key, aside)
+            try:
+                await self.backend.move(key, aside)
+            except BackendError as exc:
+                if exc.errno != errno.ENOENT or isinstance(exc, TransientBackendError):
+                    raise
+                # Nothing of ours there: a key recorded before a publish that never happened
+                # (``Reconciler._upload_version`` names it first).  Nothing to move: forget it.
+                keys[i] = ""
+                await self.meta.set_attrs(ino, backend_keys=[k for k in keys if k])
+                return None
             keys[i] = aside
             await self.meta.set_attrs(ino, backend_keys=keys)
         await self._dir_changed(head)
@@ -198,7 +208,8 @@ class Removals:
                 if stat.S_ISDIR(mode):
                     continue  # a directory's old form holds other files' objects: it goes once they moved
                 aside = await self._move_aside(ino, keys, i)
-                log.info("moved %s aside to %s: another file takes that name first", key, aside)
+                if aside is not None:
+                    log.info("moved %s aside to %s: another file takes that name first", key, aside)
             if replaced:
-                keys = [k for k in keys if k not in replaced]
+                keys = [k for k in keys if k and k not in replaced]
                 await self.meta.set_attrs(ino, backend_keys=keys)

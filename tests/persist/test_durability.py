@@ -723,6 +723,57 @@ async def test_a_chmod_landing_after_the_upload_read_the_attributes_is_pushed_af
     await meta.close()
 
 
+async def test_an_object_is_published_only_where_its_file_records_it_first(tmp_path):
+    """A kill -9 between an upload's publish and the durable record used to leave an object no row
+    named: when the file had been unlinked meanwhile (a worker's unlink of an open file), the restart
+    had nothing to delete and the import brought the deleted name back (the torture suite's kill -9
+    case, one run in a hundred).  The key is recorded in the row before the object appears there."""
+    data = b"x" * 1000
+    p, meta, ino = await _attrs_persister(tmp_path, data, durable=False)
+    real_open_upload = p.backend.open_upload
+    seen = []
+    async def send(row, key):
+        upload = await real_open_upload(key)
+        await upload.write_part(0, data)
+        real_complete = upload.complete
+        async def complete(size, *, attrs=None):
+            info = await real_complete(size, attrs=attrs)
+            seen.append((await meta.get_inode(ino)).backend_keys)  # what a kill -9 now would leave
+            return info
+        upload.complete = complete
+        return upload
+    p.uploads.send = send
+    await p._persist_one(ino)
+    assert seen == [["f"]]
+    row = await meta.get_inode(ino)
+    assert row.state == "durable" and row.backend_keys == ["f"]
+    await meta.close()
+
+
+async def test_giving_way_at_a_key_recorded_before_a_publish_that_never_came_forgets_it(tmp_path):
+    """A job names its target in the row before it publishes there; when the publish never comes (the
+    job deferred, or the daemon died first) and another file lives at that name now, giving way finds
+    no object to move aside: the key is forgotten, and the job does not fail."""
+    from aiturbofs.backend import open_backend
+    from aiturbofs.meta import ROOT_INO, InodeRow, open_meta
+
+    (tmp_path / "backend").mkdir()
+    meta = open_meta(f"sqlite://{tmp_path}/meta.db")
+    await meta.init(root_uid=0, root_gid=0, root_mode=0o755)
+    mine = await meta.create(ROOT_INO, b"a", InodeRow(0, 0o100644, 0, 0, 1, 1, 0, 0, 0))
+    await meta.set_attrs(mine.ino, backend_keys=["a"])  # named, never published
+    await meta.rename(ROOT_INO, b"a", ROOT_INO, b"c")
+    await meta.create(ROOT_INO, b"a", InodeRow(0, 0o100644, 0, 0, 1, 1, 0, 0, 0))  # another file there
+    host = fake_fs(meta)
+    host.backend = await open_backend(f"file://{tmp_path}/backend")
+    host.notify_state = lambda ino: None
+    p = Persister(host)
+    await p.reconciler.removals.give_way(mine.ino, 0o100644)
+    assert (await meta.get_inode(mine.ino)).backend_keys == []
+    assert os.listdir(tmp_path / "backend") == []
+    await meta.close()
+
+
 async def test_a_file_queued_while_files_in_flight_wait_gets_a_spare_upload():
     """Every upload in flight waited for a shared chunk that a file not yet
     queued was to upload: when that file was queued, no spare upload started
