@@ -79,6 +79,7 @@ class Removals:
         # listing meanwhile must not take the hidden name for a new file.
         async with self.claims.key_lock(key), self.claims.key_lock(aside):
             await self.uploads.forget_sources(key)
+            moved: str | None = aside
             try:
                 await self.backend.move(key, aside)
             except BackendError as exc:
@@ -86,13 +87,12 @@ class Removals:
                     raise
                 # Nothing of ours there: a key recorded before a publish that never happened
                 # (``Reconciler._upload_version`` names it first).  Nothing to move: forget it.
-                keys[i] = ""
-                await self.meta.set_attrs(ino, backend_keys=[k for k in keys if k])
-                return None
-            keys[i] = aside
-            await self.meta.set_attrs(ino, backend_keys=keys)
-        await self._dir_changed(head)
-        return aside
+                moved = None
+            keys[i] = moved or ""  # ("": forgotten; callers drop it, and so does every record)
+            await self.meta.set_attrs(ino, backend_keys=[k for k in keys if k])
+        if moved is not None:
+            await self._dir_changed(head)
+        return moved
 
     async def _keep_aside(self, ino: int) -> None:
         """An unlinked file still open: its objects leave its old names (another file may take them) but stay,
