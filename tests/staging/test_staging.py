@@ -714,16 +714,22 @@ async def test_a_failed_fetch_is_not_handed_to_readers_who_fetch_otherwise(tmp_p
     assert results["second"] == data
 
 
+async def _cached(pool: StagingPool):
+    """A random chunk read into a buffer of its own (a clean cache): its bytes, key and fetch."""
+    data = os.urandom(CHUNK_BYTES)
+    key = chunk.content_key(data)
+    async def fetch():
+        return data
+    await pool.read(key, fetch)
+    return data, key, fetch
+
+
 async def test_a_cached_chunk_a_passthrough_file_seals_moves_into_its_range(tmp_path):
     # A chunk read into a buffer (a clean cache: nobody counts on it) that a passthrough writer's absorb
     # then seals lives in that file's range from then on: a buffer would not outlive a daemon crash, and
     # the range is punched once its file closes (the kill -9 case: "recovered ... chunks=3 of 4").
     area, pool = _area_and_pool(tmp_path)
-    data = os.urandom(CHUNK_BYTES)
-    key = chunk.content_key(data)
-    async def fetch():
-        return data
-    await pool.read(key, fetch)  # cached in a buffer of its own
+    data, key, fetch = await _cached(pool)
     assert pool.lends(key)
     a = _kernel_written(area, 5).range(0)
     assert await _seal_in(pool, a, data) == key
@@ -812,11 +818,7 @@ async def test_a_cached_chunk_sealed_while_a_reader_holds_it_outlives_a_crash(tm
     # a kill -9 then lost the chunk ("recovered ... chunks=1 of 2", then a BLAKE3 mismatch against the
     # older object in the backend; the torture suite's kill -9 case, one run in fifty).
     area, pool = _area_and_pool(tmp_path)
-    data = os.urandom(CHUNK_BYTES)
-    key = chunk.content_key(data)
-    async def fetch():
-        return data
-    await pool.read(key, fetch)  # cached in a buffer of its own
+    data, key, fetch = await _cached(pool)
     f = _kernel_written(area, 5) if kernel else area.file(5)
     f.users += 1
     a = f.range(0)
@@ -832,11 +834,7 @@ async def test_a_replica_of_a_cached_chunk_is_kept_in_its_own_file(tmp_path):
     # A peer's replica arrives for a chunk this node has only as a read cache (a buffer): pinning the
     # buffer made the replica one a kill -9 of this node loses, although it was asked into a file.
     area, pool = _area_and_pool(tmp_path)
-    data = os.urandom(CHUNK_BYTES)
-    key = chunk.content_key(data)
-    async def fetch():
-        return data
-    await pool.read(key, fetch)  # cached in a buffer of its own
+    data, key, fetch = await _cached(pool)
     into = area.replica(key).range(0)
     await pool.store(key, data, into=into)
     assert pool.pinned(key) and into.entry is not None and into.entry.key == key
