@@ -20,8 +20,16 @@ it looks again with ``free_for`` under the lock to publish.
 ``moved_keys`` keeps what it read of a moved inode's keys until that
 inode's job starts or it is enqueued again (not while its job runs: the
 job may change them).
+
+A kill -9 may cut a job between a backend move and its record, so a
+restart may find an inode's object at one of its new names, or at the
+hidden key of a move aside, while its row still names the old key.  Such
+inodes are ``unsure`` until ``settled`` has looked at the backend once
+(with ``ns_lock``): before their own job runs, and before another job
+deletes or moves aside an object at one of their names.
 """
 
+import logging
 import stat
 import time
 from collections.abc import Callable
@@ -30,8 +38,11 @@ from contextlib import asynccontextmanager
 import trio
 
 from .._errors import NotFound
-from ..meta import STATE_BROKEN, MetaStore
+from ..meta import STATE_BROKEN, STATE_DURABLE, MetaStore
 from ._host import PersistHost
+from ._verify import holds_version
+
+log = logging.getLogger("aiturbofs.persist")
 
 # How long a backend key removed or moved away is remembered, so that an
 # import whose listing started before the removal does not bring it back.
@@ -56,6 +67,9 @@ class KeyClaims:
         # as last read, or a fresh ``object()`` until read; only the inode's
         # own job changes its keys, and a job start or a new enqueue forgets them.
         self.moved: dict[int, object] = {}
+        # Inodes whose recorded backend keys may lag the backend: a restart resumed their moves, or a move
+        # aside failed midway (see ``settled``).
+        self.unsure: set[int] = set()
 
     def note_vacated(self, key: str) -> None:
         now = time.monotonic()
@@ -147,6 +161,50 @@ class KeyClaims:
     async def lookup_path(self, key: str):
         """The row the namespace has at backend path ``key``, or None."""
         return await self.meta.lookup_path(key)
+
+    async def owner_of(self, key: str):
+        """``lookup_path``, ``settled``: the file at ``key`` with its keys as the backend has them.  With
+        ``ns_lock``."""
+        row = await self.lookup_path(key)
+        return None if row is None else await self.settled(row)
+
+    async def settled(self, row):
+        """``row`` with its backend keys as the backend has them, if it is ``unsure``.  With ``ns_lock``.
+
+        The record of a move made before a kill -9 may lag it: the object is at a new name, or at the
+        hidden key of a move aside, which the row names beside the old key (``Removals._move_aside``
+        names it first), or a publish named first never came.  When a recorded key holds nothing, the
+        keys that do are kept, and a name of the file whose object is exactly the file's version (every
+        chunk hashed) is added: that is the move, done.  Until then the replaced file's delete took that
+        object for its own stale one and deleted the renamed file's only copy.  Once per unsure inode; all
+        keys present (the usual restart) costs one ``stat`` each.
+        """
+        if row.ino not in self.unsure:
+            return row
+        if not stat.S_ISREG(row.mode):
+            self.unsure.discard(row.ino)  # a node's form is written again at its names, never moved
+            return row
+        present = []
+        for key in row.backend_keys:
+            info = await self.host.backend.stat(key)
+            if info is not None and not info.is_dir:
+                present.append(key)
+        if present != row.backend_keys:
+            fields = {}
+            if row.nlink > 0 and row.state == STATE_DURABLE and row.persisted_version == row.version:
+                for path in await self.meta.paths_of(row.ino):
+                    info = None if path in present else await holds_version(self.host, path, row)
+                    if info is not None:
+                        present.append(path)
+                        if len(present) == 1:  # its only object now: an etag the import must not take for a change
+                            fields["backend_etag"] = info.etag
+            log.info("backend keys of ino=%d were %s and are %s (the record of a move lagged the backend)",
+                     row.ino, ",".join(row.backend_keys) or "-", ",".join(present) or "-")
+            row = await self.meta.set_attrs(row.ino, backend_keys=present, **fields)
+            if row.ino in self.moved:
+                self.moved[row.ino] = object()  # read its keys afresh
+        self.unsure.discard(row.ino)
+        return row
 
     @asynccontextmanager
     async def key_lock(self, key: str):

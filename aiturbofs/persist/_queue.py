@@ -128,12 +128,14 @@ class Persister:
         self.pool.accept_waits()
 
     # ------------------------------------------------------------ the queue
-    def enqueue(self, ino: int, *, moved: bool = False) -> None:
+    def enqueue(self, ino: int, *, moved: bool = False, resumed: bool = False) -> None:
         """Reconcile ``ino`` soon.  ``moved``: its names changed (rename, link,
         unlink), so its backend objects may sit at names it no longer has
-        until this job moves or deletes them (see ``KeyClaims.holder``)."""
-        if moved:
-            self.reconciler.note_moved(ino)
+        until this job moves or deletes them (see ``KeyClaims.holder``);
+        ``resumed``: a move the run before a restart had not finished
+        (``KeyClaims.settled``)."""
+        if moved or resumed:
+            self.reconciler.note_moved(ino, resumed=resumed)
         if ino in self.running:
             self._rerun.add(ino)
         else:

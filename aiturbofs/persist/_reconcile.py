@@ -95,9 +95,12 @@ class Reconciler:
         # _dir_changed), queued to get their attributes again.
         self.dirs_changed: set[int] = set()
 
-    def note_moved(self, ino: int) -> None:
-        """``ino``'s names changed: its objects may sit at names it no longer has (see ``KeyClaims.holder``)."""
+    def note_moved(self, ino: int, *, resumed: bool = False) -> None:
+        """``ino``'s names changed: its objects may sit at names it no longer has (see ``KeyClaims.holder``).
+        ``resumed``: by a run that stopped, perhaps after a backend move it did not record (``KeyClaims.settled``)."""
         self.moved[ino] = object()
+        if resumed:
+            self.claims.unsure.add(ino)
 
     def job_started(self, ino: int) -> None:
         if ino in self.moved:
@@ -136,6 +139,9 @@ class Reconciler:
         self.pushing_attrs.discard(ino)  # a retry: what fails now is told apart afresh (attrs_failed)
         while True:
             row = await self.meta.get_inode(ino)
+            if ino in self.claims.unsure:
+                async with self.ns_lock:
+                    row = await self.claims.settled(await self.meta.get_inode(ino))
             paths = await self.meta.paths_of(ino) if row.nlink > 0 else []
             if not paths:
                 await self.removals.delete_all(row)

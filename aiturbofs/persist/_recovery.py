@@ -97,9 +97,9 @@ class Recovery:
             self._queue.enqueue(row.ino)
         for k in held:
             self.pool.hold(k, -1)
+        await self._resume_moves()  # first: an orphan's delete must know which moves may be unrecorded
         for row in await self.meta.orphans():
             self._queue.enqueue(row.ino, moved=True)
-        await self._resume_moves()
         for k in self.pool.spill.keys():
             if not self.pool.pinned(k):
                 self.pool.spill.discard(k)
@@ -119,7 +119,7 @@ class Recovery:
             if not is_mine(self.host.cluster, row):
                 continue
             log.info("resuming the backend move of ino=%d%s", ino, f" (directory, was {dir_path})" if dir_path else "")
-            self._queue.enqueue(ino, moved=True)
+            self._queue.enqueue(ino, resumed=True)
             if dir_path is not None:
                 await self._queue.enqueue_tree(ino, dir_path)
 

@@ -79,11 +79,16 @@ class Removals:
         # listing meanwhile must not take the hidden name for a new file.
         async with self.claims.key_lock(key), self.claims.key_lock(aside):
             await self.uploads.forget_sources(key)
+            # Named beside the key first: a kill -9 between the move and the record below left the
+            # object at a hidden key no row named, and the file's only copy was gone for the restart.
+            # Until the record, the object is at one of the two (``KeyClaims.settled`` keeps that one).
+            await self.meta.set_attrs(ino, backend_keys=[*(k for k in keys if k), aside])
             moved: str | None = aside
             try:
                 await self.backend.move(key, aside)
             except BackendError as exc:
                 if exc.errno != errno.ENOENT or isinstance(exc, TransientBackendError):
+                    self.claims.unsure.add(ino)  # (S3: copied, perhaps not deleted): the next look settles it
                     raise
                 # Nothing of ours there: a key recorded before a publish that never happened
                 # (``Reconciler._upload_version`` names it first).  Nothing to move: forget it.
@@ -102,7 +107,7 @@ class Removals:
         for i, key in enumerate(list(keys)):
             if key.rpartition("/")[2].startswith(ASIDE_PREFIX):
                 continue
-            owner = await self.claims.lookup_path(key)
+            owner = await self.claims.owner_of(key)
             if owner is not None and owner.state is not None and key in owner.backend_keys:
                 keys[i] = ""  # another file's object is there now: ours was replaced before we could move it
                 continue
@@ -129,7 +134,7 @@ class Removals:
         Called with ``ns_lock`` held.
         """
         async with self.claims.key_lock(key):
-            owner = await self.claims.lookup_path(key)
+            owner = await self.claims.owner_of(key)
             if owner is not None and owner.state is not None and key in owner.backend_keys:
                 return  # the file that has this name now put its own object there
             if await self.claims.holder(key, ino) is not None:
@@ -193,7 +198,7 @@ class Removals:
             for i, key in enumerate(keys):
                 if key in paths:
                     continue
-                owner = await self.claims.lookup_path(key)
+                owner = await self.claims.owner_of(key)
                 if owner is None or owner.state is None:
                     continue
                 if key in owner.backend_keys:

@@ -774,6 +774,49 @@ async def test_giving_way_at_a_key_recorded_before_a_publish_that_never_came_for
     await meta.close()
 
 
+async def test_a_move_aside_names_its_hidden_key_before_the_object_goes_there(tmp_path):
+    """A kill -9 between a move aside (``give_way``) and its record left the file's only object at a
+    hidden key no row named: the restart forgot the old key (nothing there) and the data was gone.  The
+    hidden key is named beside the old one before the move, and the restart keeps the one that holds the
+    object (``KeyClaims.settled``)."""
+    from aiturbofs.backend import ASIDE_PREFIX, open_backend
+    from aiturbofs.meta import ROOT_INO, InodeRow, open_meta
+
+    class Killed(BaseException):
+        pass
+
+    (tmp_path / "backend").mkdir()
+    (tmp_path / "backend" / "a").write_bytes(b"mine")
+    meta = open_meta(f"sqlite://{tmp_path}/meta.db")
+    await meta.init(root_uid=0, root_gid=0, root_mode=0o755)
+    mine = await meta.create(ROOT_INO, b"a", InodeRow(0, 0o100644, 0, 0, 4, 1, 0, 0, 0))
+    await meta.set_attrs(mine.ino, backend_keys=["a"])
+    await meta.rename(ROOT_INO, b"a", ROOT_INO, b"c")
+    await meta.create(ROOT_INO, b"a", InodeRow(0, 0o100644, 0, 0, 1, 1, 0, 0, 0))  # another file there
+    host = fake_fs(meta)
+    host.backend = await open_backend(f"file://{tmp_path}/backend")
+    host.notify_state = lambda ino: None
+    real_move = host.backend.move
+
+    async def move_then_die(src, dst):
+        await real_move(src, dst)
+        raise Killed  # what a kill -9 leaves: the object moved, the record below never written
+
+    host.backend.move = move_then_die
+    with pytest.raises(Killed):
+        await Persister(host).reconciler.removals.give_way(mine.ino, 0o100644)
+    (aside,) = os.listdir(tmp_path / "backend")
+    assert aside.startswith(ASIDE_PREFIX)
+    assert (await meta.get_inode(mine.ino)).backend_keys == ["a", aside]
+    restarted = Persister(host).reconciler
+    restarted.note_moved(mine.ino, resumed=True)
+    async with restarted.ns_lock:
+        row = await restarted.claims.settled(await meta.get_inode(mine.ino))
+    assert row.backend_keys == [aside] == (await meta.get_inode(mine.ino)).backend_keys
+    assert mine.ino not in restarted.claims.unsure
+    await meta.close()
+
+
 async def test_a_file_queued_while_files_in_flight_wait_gets_a_spare_upload():
     """Every upload in flight waited for a shared chunk that a file not yet
     queued was to upload: when that file was queued, no spare upload started
