@@ -456,7 +456,12 @@ class Filesystem:
                 await close_kernel(self.writer, handle)
             else:
                 node.served -= 1
-            if handle.commits and node.content is not None and node.content.dirty and node.row.nlink > 0:
+            # Only the last writer's: the kernel sends a RELEASE after close() has returned, and the
+            # next open and write (of the same process, say) may come first.  What the file holds then
+            # is no state the application committed, and a kill -9 brought it back.  The writer still
+            # open commits at its own close (what a mapping wrote through this handle too).
+            if handle.commits and node.writers == 1 and node.content is not None and node.content.dirty \
+                    and node.row.nlink > 0:
                 await self.writer.commit(node)
         finally:
             node.opens -= 1

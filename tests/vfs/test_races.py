@@ -217,3 +217,73 @@ async def test_an_open_the_kernel_serves_that_comes_while_a_truncate_waits_does_
         await fs.release(reader.fh)
         await fs.wait_durable(row.ino)
         assert (tmp_path / "backend" / "f").read_bytes() == data[:100]
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["requests", "passthrough"])
+async def test_a_release_while_another_writer_has_the_file_open_commits_none_of_its_writes(tmp_path, monkeypatch,
+                                                                                          kernel):
+    """close() returns at its FLUSH; the kernel sends the RELEASE later, and the same process's next
+    open and writes may come first (through passthrough: while the release hashes the file).  The
+    release committed the file as it was then, with the next writer's first write in it, and a kill -9
+    brought that back: bytes no close or fsync of the application had made (the torture suite's kill -9
+    case, seed 432396).  A release while another writer has the file open leaves the commit to that
+    writer's close."""
+    from aiturbofs.vfs import _kernel_io
+
+    async def write(handle, fd, at: int, data: bytes) -> None:
+        if fd is None:
+            await fs.write(handle.fh, at, data)
+        else:
+            os.pwrite(fd, data, at)
+
+    async def open_writer(ino: int):
+        handle, _ = await fs.open(ino, os.O_RDWR)  # (through passthrough its release checks every chunk)
+        fd = await fs.open_kernel(handle) if kernel else None
+        assert (fd is not None) == kernel
+        return handle, fd
+
+    hashing, go = trio.Event(), trio.Event()
+    real = _kernel_io.content_key_of
+    token = None
+
+    def gated(path, offset, length):  # the first release's check of the chunk, in its thread
+        trio.from_thread.run_sync(hashing.set, trio_token=token)
+        trio.from_thread.run(go.wait, trio_token=token)
+        return real(path, offset, length)
+
+    data = os.urandom(2 * MiB)
+    async with filesystem(tmp_path) as fs:
+        token = trio.lowlevel.current_trio_token()
+        ino = await durable_file(fs, b"f", data)
+        first, fd1 = await open_writer(ino)
+        await write(first, fd1, 0, b"one")
+        await fs.flush(first.fh)  # close() returns: version 2
+        committed = (await fs.meta.get_inode(ino)).version
+        async with trio.open_nursery() as nursery:
+            if kernel:
+                monkeypatch.setattr(_kernel_io, "content_key_of", gated)
+
+                async def release_first():
+                    await fs.close_kernel(first)
+                    await fs.release(first.fh)
+
+                nursery.start_soon(release_first)
+                await hashing.wait()  # the release checks the chunk the next writer writes now
+            second, fd2 = await open_writer(ino)
+            await write(second, fd2, 0, b"two")  # the next operation's first write
+            if kernel:
+                monkeypatch.setattr(_kernel_io, "content_key_of", real)
+                go.set()
+            else:
+                await fs.release(first.fh)
+        assert (await fs.meta.get_inode(ino)).version == committed  # nothing the application committed
+        await write(second, fd2, len(data), b"tail")
+        await fs.flush(second.fh)
+        if kernel:
+            await fs.close_kernel(second)
+        await fs.release(second.fh)
+        row = await fs.meta.get_inode(ino)
+        assert row.version == committed + 1 and row.size == len(data) + 4
+        reader, _ = await fs.open(ino, os.O_RDONLY)
+        assert bytes(await fs.read(reader.fh, 0, 3 * MiB)) == b"two" + data[3:] + b"tail"
+        await fs.release(reader.fh)
