@@ -357,6 +357,23 @@ def test_kill9_before_the_backend_follows_renames_and_links_keeps_them(s3m):
     assert local_objects(fresh.mountpoint) == want
 
 
+def restart_after_the_backend_moved(s3m, m, data: bytes) -> None:
+    """The backend moves a.bin's object to b.bin (S3: a copy, then the delete), as the killed daemon's
+    job had before it could record it; a restart then finds the move done and b.bin whole."""
+    client = s3m.server.client()
+    client.copy_object(Bucket=s3m.bucket, Key="pre/b.bin", CopySource={"Bucket": s3m.bucket, "Key": "pre/a.bin"})
+    client.delete_object(Bucket=s3m.bucket, Key="pre/a.bin")
+    m2 = remount(s3m, m, **NO_REIMPORT)
+    r = aiturbo("wait", m2.mountpoint, check=False, timeout=WAIT_S)
+    assert r.returncode == 0, r.stderr
+    assert get(m2.path("b.bin")) == data
+    assert state(m2.path("b.bin")) == "durable"
+    assert s3m.objects() == {"b.bin": data}
+    assert "broken" not in m2.log()
+    assert "were a.bin and are b.bin (the record of a move lagged the backend)" in m2.log()
+    assert_no_bug(m2.log())
+
+
 def test_kill9_between_a_backend_move_and_its_record_finds_the_object_moved(s3m):
     """The backend moved a renamed file's object, then the daemon died before the metadata said so:
     the restart's move finds no source.  The object at the new name holds exactly that version (every
@@ -373,18 +390,7 @@ def test_kill9_between_a_backend_move_and_its_record_finds_the_object_moved(s3m)
         db.execute("INSERT INTO moves (ino, gen, dir_path) VALUES (?, 1, NULL)", (ino,))
     finally:
         db.close()
-    client = s3m.server.client()  # the move the backend made (S3: a copy, then the delete)
-    client.copy_object(Bucket=s3m.bucket, Key="pre/b.bin", CopySource={"Bucket": s3m.bucket, "Key": "pre/a.bin"})
-    client.delete_object(Bucket=s3m.bucket, Key="pre/a.bin")
-    m2 = remount(s3m, m, **NO_REIMPORT)
-    r = aiturbo("wait", m2.mountpoint, check=False, timeout=WAIT_S)
-    assert r.returncode == 0, r.stderr
-    assert state(m2.path("b.bin")) == "durable"
-    assert get(m2.path("b.bin")) == data
-    assert s3m.objects() == {"b.bin": data}
-    assert "broken" not in m2.log()
-    assert "were a.bin and are b.bin (the record of a move lagged the backend)" in m2.log()
-    assert_no_bug(m2.log())
+    restart_after_the_backend_moved(s3m, m, data)
 
 
 def test_kill9_between_a_move_over_another_file_and_its_record_keeps_the_moved_object(s3m):
@@ -402,18 +408,7 @@ def test_kill9_between_a_move_over_another_file_and_its_record_keeps_the_moved_o
     os.rename(m.path("a.bin"), m.path("b.bin"))
     m.kill()
     s3m.server.thaw()
-    client = s3m.server.client()  # the move the backend made (S3: a copy, then the delete)
-    client.copy_object(Bucket=s3m.bucket, Key="pre/b.bin", CopySource={"Bucket": s3m.bucket, "Key": "pre/a.bin"})
-    client.delete_object(Bucket=s3m.bucket, Key="pre/a.bin")
-    m2 = remount(s3m, m, **NO_REIMPORT)
-    r = aiturbo("wait", m2.mountpoint, check=False, timeout=WAIT_S)
-    assert r.returncode == 0, r.stderr
-    assert get(m2.path("b.bin")) == data
-    assert state(m2.path("b.bin")) == "durable"
-    assert s3m.objects() == {"b.bin": data}
-    assert "broken" not in m2.log()
-    assert "were a.bin and are b.bin (the record of a move lagged the backend)" in m2.log()
-    assert_no_bug(m2.log())
+    restart_after_the_backend_moved(s3m, m, data)
 
 
 def test_kill9_during_an_upload_leaves_no_temp_file_in_the_file_backend(make_mount, tmp_path):
