@@ -171,29 +171,43 @@ class KeyClaims:
     async def settled(self, row):
         """``row`` with its backend keys as the backend has them, if it is ``unsure``.  With ``ns_lock``.
 
-        The record of a move made before a kill -9 may lag it: the object is at a new name, or at the
-        hidden key of a move aside, which the row names beside the old key (``Removals._move_aside``
-        names it first), or a publish named first never came.  When a recorded key holds nothing, the
-        keys that do are kept, and a name of the file whose object is exactly the file's version (every
-        chunk hashed) is added: that is the move, done.  Until then the replaced file's delete took that
-        object for its own stale one and deleted the renamed file's only copy.  Once per unsure inode; all
-        keys present (the usual restart) costs one ``stat`` each.
+        The record of a backend step made before a kill -9 may lag it.  Every copy, move, move aside and
+        publish names its target in the row first (``Reconciler._naming_first``, ``_upload_version``,
+        ``Removals._move_aside``), so the row may name a target that holds nothing (dropped here), or
+        still holds what was there before, the replaced file's object (kept at one of the file's names
+        only if it holds exactly its version: size, every chunk's BLAKE3).  A name of the file holding
+        exactly its version is added (a move an older run made before it named its targets).  Until
+        then the replaced file's delete took the moved object for its own stale one and deleted the
+        renamed file's only copy.  Once per unsure inode; a file with one key (the usual restart)
+        costs one ``stat``, and the hashing is of a key at one of its names beyond the first.
         """
         if row.ino not in self.unsure:
             return row
         if not stat.S_ISREG(row.mode):
             self.unsure.discard(row.ino)  # a node's form is written again at its names, never moved
             return row
-        present = []
-        for key in row.backend_keys:
+        current = row.state == STATE_DURABLE and row.persisted_version == row.version
+        paths = await self.meta.paths_of(row.ino) if row.nlink > 0 else []
+        present, hashed = [], set()
+        for i, key in enumerate(row.backend_keys):
             info = await self.host.backend.stat(key)
-            if info is not None and not info.is_dir:
-                present.append(key)
+            if info is None or info.is_dir:
+                continue
+            # A target named first may still hold what was there before (the replaced file's object):
+            # taken for ours, it would be served.  Kept at one of the file's names only if it is
+            # exactly this version.  The first key was recorded once placed; a key at no name of the
+            # file is deleted as stale anyway (and may hold an older version: ``_recover_from_backend``).
+            # A version not yet durable is uploaded again, over its target.
+            if current and i > 0 and key in paths:
+                hashed.add(key)
+                if await holds_version(self.host, key, row) is None:
+                    continue
+            present.append(key)
         if present != row.backend_keys:
             fields = {}
-            if row.nlink > 0 and row.state == STATE_DURABLE and row.persisted_version == row.version:
-                for path in await self.meta.paths_of(row.ino):
-                    info = None if path in present else await holds_version(self.host, path, row)
+            if current:
+                for path in paths:
+                    info = None if path in present or path in hashed else await holds_version(self.host, path, row)
                     if info is not None:
                         present.append(path)
                         if len(present) == 1:  # its only object now: an etag the import must not take for a change

@@ -36,6 +36,7 @@ import functools
 import logging
 import stat
 import time
+from contextlib import asynccontextmanager
 
 import trio
 
@@ -288,7 +289,8 @@ class Reconciler:
                 done = [target]
                 for extra in await self.meta.paths_of(row.ino):
                     if extra not in done and await self.claims.free_for(extra, row.ino):
-                        async with self.claims.key_lock(extra):
+                        named = [*now.backend_keys, *(k for k in done if k not in now.backend_keys)]
+                        async with self.claims.key_lock(extra), self._naming_first(row.ino, named, extra):
                             if await self._place(functools.partial(self.backend.copy, attrs=node), extra, target, extra):
                                 done.append(extra)
                 for stale in row.backend_keys:
@@ -359,7 +361,7 @@ class Reconciler:
             for dst in paths:
                 if dst in row.backend_keys:
                     continue
-                async with self.claims.key_lock(dst):
+                async with self.claims.key_lock(dst), self._naming_first(row.ino, current, dst):
                     if keep:
                         copy = functools.partial(self.backend.copy, attrs=NodeAttrs(*row.persisted_attrs)
                                                  if row.persisted_attrs is not None else None)
@@ -373,8 +375,7 @@ class Reconciler:
                             current[current.index(src)] = dst
                             keep = [dst]
                 if not placed:
-                    if current != row.backend_keys:
-                        await self.meta.set_attrs(row.ino, backend_keys=current)
+                    await self.meta.set_attrs(row.ino, backend_keys=current)  # (without the target named first)
                     return False
             for stale in row.backend_keys:
                 if stale not in paths:
@@ -392,6 +393,23 @@ class Reconciler:
             await self.meta.set_state(row.ino, STATE_DURABLE, if_version=row.version)
         log.info("moved_in_backend from=%s to=%s", ",".join(row.backend_keys), ",".join(paths))
         return True
+
+    @asynccontextmanager
+    async def _naming_first(self, ino: int, keys: list[str], target: str):
+        """Name ``target`` among ``ino``'s backend keys before the body copies or moves an object there.
+
+        A kill -9 between the backend's copy or move and the record that follows left an object no row
+        named; when the name was gone by the restart (a link renamed away), the import brought it back
+        as a file.  Named first, the restart finds it (``KeyClaims.settled`` keeps it only where it
+        holds the file's version) and the reconcile deletes it like any stale key.  A body that fails
+        leaves the file ``unsure``: the target may or may not hold its object.
+        """
+        await self.meta.set_attrs(ino, backend_keys=[*keys, target])
+        try:
+            yield
+        except BaseException:
+            self.claims.unsure.add(ino)
+            raise
 
     async def _place_moved(self, row, src: str, dst: str) -> bool:
         """Move ``row``'s object from ``src`` to ``dst`` (see ``_place``).
