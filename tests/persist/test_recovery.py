@@ -426,7 +426,7 @@ def test_kill9_between_a_backend_copy_and_its_record_brings_back_no_removed_name
     the restart's import brought the removed name back as a file (the torture suite's kill -9 case,
     seed 592308).  The copy's target is named in the row before the copy, and the restart deletes it
     as a stale object of that file once it finds there exactly the file's version."""
-    m = s3m.mount()
+    m = s3m.mount(**NO_REIMPORT)  # (a lookup of b.bin must not wait for a listing of the frozen bucket)
     data = secrets.token_bytes(CHUNK + 4321)
     put(m.path("a.bin"), data)
     assert aiturbo("wait", m.mountpoint, check=False, timeout=WAIT_S).returncode == 0
