@@ -21,6 +21,7 @@ Conventions shared by every method:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
@@ -125,6 +126,10 @@ class MetaStore(ABC):
     committed transactions at its next call.
     """
 
+    # Transactions run, by the name of their body (``get_inode``, ``create``...): ``aiturbo status`` shows
+    # them, for telling which work loads the metadata engine.
+    calls: collections.Counter[str]
+
     @abstractmethod
     async def init(self, *, root_uid: int, root_gid: int, root_mode: int) -> None:
         """Open the database, create the schema and the root inode if missing.
@@ -167,6 +172,12 @@ class MetaStore(ABC):
         ``META_READDIR_ENTRIES_MAX``.  Raises ``NotFound`` / ``NotADirectory``
         for a bad ``parent``.
         """
+
+    @abstractmethod
+    async def nodes_with_state(self, parent: int) -> list[InodeRow]:
+        """The symlinks and special files in directory ``parent`` that have a durability state (the backend
+        keeps them; their state is shown as part of the directory's), in ``readdir`` order.  Raises
+        ``NotFound`` / ``NotADirectory`` for a bad ``parent``."""
 
     async def children(self, parent: int, batch: int) -> AsyncIterator[tuple[bytes, InodeRow]]:
         """Every ``(name, row)`` of ``parent``, read ``batch`` entries at a time (see ``readdir``)."""

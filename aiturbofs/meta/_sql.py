@@ -63,6 +63,7 @@ Schema (version ``SCHEMA_VERSION``):
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import stat
@@ -112,6 +113,7 @@ class SqlMetaStore(MetaStore):
     def __init__(self, limiter: trio.CapacityLimiter):
         self._limiter = limiter  # bounds the worker threads using the connection(s)
         self._connected = False
+        self.calls = collections.Counter()
 
     def _sql(self, sql: str) -> str:
         """``sql`` in the driver's placeholder style (here: ``?``, unchanged)."""
@@ -168,6 +170,7 @@ class SqlMetaStore(MetaStore):
         mid-statement.
         """
         assert self._connected, "MetaStore.init() was not called, or close() was"
+        self.calls[body.__name__] += 1
         if dirs:
             return await trio.to_thread.run_sync(
                 self._transact_in_dirs, dirs, body, args, write, durable, limiter=self._limiter
@@ -282,6 +285,9 @@ class SqlMetaStore(MetaStore):
 
     async def readdir(self, parent: int, offset: int, limit: int) -> list[tuple[bytes, InodeRow, int]]:
         return await self._run(_sql_namespace.readdir, parent, offset, limit, self.READDIR_FROM, write=False, quick=True)
+
+    async def nodes_with_state(self, parent: int) -> list[InodeRow]:
+        return await self._run(_sql_namespace.nodes_with_state, parent, self.READDIR_FROM, write=False, quick=True)
 
     async def paths_of(self, ino: int) -> list[str]:
         return await self._run(_sql_namespace.paths_of, ino, write=False, quick=True)

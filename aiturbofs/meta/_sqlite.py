@@ -222,6 +222,7 @@ class SqliteMetaStore(SqlMetaStore):
         behind the one syncing now.
         """
         assert self._connected, "MetaStore.init() was not called, or close() was"
+        self.calls[body.__name__] += 1
         if not write:
             if quick:
                 await trio.lowlevel.checkpoint()

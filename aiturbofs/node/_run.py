@@ -442,6 +442,7 @@ class _Dispatcher:
                 "objects_hashed": self.fs.objects.manifests_recorded,
                 "backend_full_s": p.backend_full_s(),
             },
+            "meta": {"calls": dict(self.fs.meta.calls)},
             "groups": self.controller.summary(),
             "cluster": self.cluster.status() if self.cluster is not None else None,
             "nodes": await self.cluster.nodes_status() if self.cluster is not None else None,

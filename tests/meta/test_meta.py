@@ -371,6 +371,22 @@ class MetaConformance:
         with pytest.raises(err.NotFound):
             await store.readdir(4242, 0, 10)
 
+    async def test_nodes_with_state_are_a_directorys_symlinks_and_special_files_the_backend_keeps(self, store):
+        d = await mkdirs(store, b"d")
+        await store.create(d, b"f", file_row())  # a file (staged): not one of them
+        await store.create(d, b"sub", dataclasses.replace(dir_row(), state=STATE_DURABLE))
+        await store.create(d, b"bare", symlink_row(b"f"))  # the backend keeps nothing of it
+        kept = await store.create(d, b"kept", dataclasses.replace(symlink_row(b"f"), state=STATE_DURABLE))
+        fifo = await store.create(d, b"fifo", dataclasses.replace(file_row(), mode=stat.S_IFIFO | 0o600,
+                                                                  state=STATE_PERSISTING))
+        assert [r.ino for r in await store.nodes_with_state(d)] == [kept.ino, fifo.ino]  # readdir order
+        assert await store.nodes_with_state(d) == [await store.get_inode(kept.ino), await store.get_inode(fifo.ino)]
+        assert await store.nodes_with_state(ROOT_INO) == []  # (only a directory: d)
+        with pytest.raises(err.NotADirectory):
+            await store.nodes_with_state(kept.ino)
+        with pytest.raises(err.NotFound):
+            await store.nodes_with_state(4242)
+
     async def test_readdir_paging_stable_while_changing(self, store):
         for i in range(40):
             await store.create(ROOT_INO, b"old%02d" % i, file_row())
