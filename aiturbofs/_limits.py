@@ -171,6 +171,11 @@ WAIT_POLL_S = 0.2  # `aiturbo wait` refresh period where it reads the state xatt
 WAIT_SLICE_S = 5.0  # one call waits at most this long; a longer wait asks again (a hung daemon shows)
 WAIT_GATHER_S = 0.2  # once a file of a call settled, the answer waits this long for more (progress, not a call per file)
 WAIT_INOS_PER_CALL = 1024  # files one call names: ~20 KiB of JSON, within CONTROL_REQUEST_BYTES_MAX
+# ... but a call that waits names only the first this many files not settled: the daemon reads each
+# at the call's start, and a wait on 2,000 small files that named 1,024 a call took more of the
+# daemon's thread than the persister it waited for (the persister goes in order: the first files
+# settle first, and the next call takes the next ones).
+WAIT_HELD_INOS = 128
 assert 2 * WAIT_SLICE_S <= CONTROL_CALL_TIMEOUT_S  # the answer, its reads too, comes well before either end gives up
 
 # --- daemon start

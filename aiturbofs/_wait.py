@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ._control_client import call, control_socket, mount_points
-from ._limits import CONTROL_CALL_TIMEOUT_S, WAIT_INOS_PER_CALL, WAIT_POLL_S, WAIT_SLICE_S
+from ._limits import CONTROL_CALL_TIMEOUT_S, WAIT_HELD_INOS, WAIT_INOS_PER_CALL, WAIT_POLL_S, WAIT_SLICE_S
 
 STATE_XATTR = "user.aiturbo.state"
 STAGED = "staged"
@@ -189,11 +189,11 @@ class _Daemon:
         self._ino = {t.path: t.ino for t in group}
 
     def read(self, paths: list[str], timeout_s: float) -> dict[str, str]:
-        """The states of ``paths`` (all of them) now, with ``timeout_s`` 0; else of the first files, once
-        one of them settles or ``timeout_s`` passed."""
+        """The states of ``paths`` (all of them) now, with ``timeout_s`` 0; else of the first
+        WAIT_HELD_INOS files, once one of them settles or ``timeout_s`` passed."""
         inos = list(dict.fromkeys(self._ino[p] for p in paths))  # hard links: one inode
         if timeout_s > 0:
-            inos = inos[:WAIT_INOS_PER_CALL]
+            inos = inos[:min(WAIT_HELD_INOS, WAIT_INOS_PER_CALL)]
         found: dict[int, str] = {}
         for first in range(0, len(inos), WAIT_INOS_PER_CALL):
             batch = inos[first:first + WAIT_INOS_PER_CALL]

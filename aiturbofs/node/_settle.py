@@ -23,7 +23,7 @@ import trio
 
 from .._errors import NoAttribute, NotFound
 from .._limits import CLUSTER_STATE_POLL_S, WAIT_GATHER_S, WAIT_INOS_PER_CALL, WAIT_SLICE_S
-from ..meta import STATE_BROKEN, STATE_DURABLE, STATE_XATTR
+from ..meta import STATE_BROKEN, STATE_DURABLE
 from ..vfs import Filesystem, StateWatcher
 
 REMOVED = "removed"
@@ -50,8 +50,9 @@ async def settle(fs: Filesystem, inos: list[int], timeout_s: float) -> list[str]
     with fs.state_waits.watch() as changes:
         states: dict[int, str] = {}
         part_of: dict[int, int] = {}  # a directory's symlink or special file -> the directory
+        inputs: dict[int, list[int]] = {}  # a directory -> its symlinks and special files, listed once a call
         for ino in inos:
-            states[ino] = await _read(fs, ino, changes, part_of)
+            states[ino] = await _read(fs, ino, changes, part_of, inputs)
         deadline = trio.current_time() + timeout_s
         while True:
             pending = [ino for ino, state in states.items() if state not in SETTLED]
@@ -68,22 +69,27 @@ async def settle(fs: Filesystem, inos: list[int], timeout_s: float) -> list[str]
                     break
                 changed = set(pending)  # the cluster's poll: every one read again
             for ino in {part_of.get(ino, ino) for ino in changed} & set(pending):
-                states[ino] = await _read(fs, ino, changes, part_of)
+                states[ino] = await _read(fs, ino, changes, part_of, inputs)
     return [states[ino] for ino in inos]
 
 
-async def _read(fs: Filesystem, ino: int, changes: StateWatcher, part_of: dict[int, int]) -> str:
+async def _read(fs: Filesystem, ino: int, changes: StateWatcher, part_of: dict[int, int],
+                inputs: dict[int, list[int]]) -> str:
     """``ino``'s state, read after ``changes`` watches it (and, for a directory, the inodes its state is
-    made of): a change while it is read is seen."""
+    made of): a change while it is read is seen.  A directory is listed at its first read only: the
+    persister changes its state at every file it publishes in it, and listing it at each of those made
+    a wait on a directory of n files cost n^2 (``inputs`` keeps what the listing found)."""
     changes.add(ino)
     try:
         row = await fs.getattr(ino)
         if row.nlink == 0:
             return REMOVED
-        for other in (await fs.state_inputs(row))[1:]:  # a directory's symlinks and special files
-            changes.add(other)
-            part_of[other] = ino
-        return (await fs.getxattr(ino, STATE_XATTR)).decode()
+        if ino not in inputs:
+            inputs[ino] = (await fs.state_inputs(row))[1:]  # a directory's symlinks and special files
+            for other in inputs[ino]:
+                changes.add(other)
+                part_of[other] = ino
+        return await fs.state_shown(row, inputs[ino])  # (each input read again: a change is not missed)
     except NotFound:
         return REMOVED
     except NoAttribute:

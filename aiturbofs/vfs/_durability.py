@@ -9,13 +9,12 @@ the pins of files recovered after a restart, and ``aiturbo verify
 
 import logging
 import stat
-from collections.abc import AsyncIterator
 
 import trio
 
 from .. import chunk
 from .._errors import BrokenFile, NoAttribute, NotFound
-from .._limits import CLUSTER_STATE_POLL_S, READDIR_BATCH_ENTRIES
+from .._limits import CLUSTER_STATE_POLL_S
 from ..cluster import ClusterPort
 from ..meta import STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED, InodeRow, MetaStore
 from ..persist import Persister
@@ -39,10 +38,12 @@ class Durability:
         self._writer = writer
         self._cluster = cluster
 
-    async def shown(self, row: InodeRow) -> str:
-        """``user.aiturbo.state`` of the inode whose attributes are ``row``."""
+    async def shown(self, row: InodeRow, inputs: list[int] | None = None) -> str:
+        """``user.aiturbo.state`` of the inode whose attributes are ``row``.  ``inputs``: a directory's
+        symlinks and special files as ``state_inputs`` listed them (beyond itself), read again instead of
+        listing the directory again (see ``dir_state``)."""
         if stat.S_ISDIR(row.mode):
-            return await self.dir_state(row)
+            return await self.dir_state(row, inputs)
         if row.state is None:
             raise NoAttribute("only regular files have a durability state")
         node = self._inodes.get(row.ino)
@@ -50,31 +51,43 @@ class Durability:
             return STATE_STAGED
         return self.state(row)
 
-    async def dir_state(self, row: InodeRow) -> str:
+    async def dir_state(self, row: InodeRow, inputs: list[int] | None = None) -> str:
         """A directory's durability state: that of its own backend form and of
         the symlinks and special files in it, which Linux lets carry no user.*
-        xattr (so ``aiturbo wait`` asks their directory).  The worst one wins."""
+        xattr (so ``aiturbo wait`` asks their directory).  The worst one wins.
+
+        ``inputs``: those symlinks and special files as listed before, each
+        read again (one gone since is left out; one made since is not seen).
+        A wait reads a directory again at every change of its state, and the
+        persister changes it at every file it publishes in it (the mtime):
+        listing it each time made waiting on a directory of n files cost n^2.
+        """
+        children = await self._meta.nodes_with_state(row.ino) if inputs is None else await self._rows(inputs)
         states = set() if row.state is None else {self.state(row)}
-        async for child in self._nodes_with_state(row.ino):
-            states.add(self.state(child))
+        states.update(self.state(child) for child in children)
         for state in (STATE_BROKEN, STATE_STAGED, STATE_PERSISTING, STATE_DURABLE):
             if state in states:
                 return state
         raise NoAttribute("this directory and its symlinks and special files live in the metadata only")
 
-    async def _nodes_with_state(self, directory: int) -> AsyncIterator[InodeRow]:
-        """The symlinks and special files in ``directory`` that the backend keeps: their state is shown as
-        part of the directory's."""
-        async for _, child in self._meta.children(directory, READDIR_BATCH_ENTRIES):
-            if child.state is not None and not stat.S_ISREG(child.mode) and not stat.S_ISDIR(child.mode):
-                yield child
+    async def _rows(self, inos: list[int]) -> list[InodeRow]:
+        """The rows of ``inos`` that still have a name and a state."""
+        rows = []
+        for ino in inos:
+            try:
+                row = await self._meta.get_inode(ino)
+            except NotFound:
+                continue
+            if row.nlink > 0 and row.state is not None:
+                rows.append(row)
+        return rows
 
     async def state_inputs(self, row: InodeRow) -> list[int]:
         """The inodes whose durability states make up ``row``'s (``user.aiturbo.state``): its own and, for a
         directory, those of its symlinks and special files.  A watcher of its state watches them all."""
         if not stat.S_ISDIR(row.mode):
             return [row.ino]
-        return [row.ino] + [child.ino async for child in self._nodes_with_state(row.ino)]
+        return [row.ino] + [child.ino for child in await self._meta.nodes_with_state(row.ino)]
 
     def state(self, row: InodeRow) -> str:
         """``row``'s state as ``user.aiturbo.state`` shows it: a durable inode

@@ -181,6 +181,11 @@ class Filesystem:
         special files too)."""
         return await self.durability.state_inputs(row)
 
+    async def state_shown(self, row: InodeRow, inputs: list[int]) -> str:
+        """``user.aiturbo.state`` of ``row`` (NoAttribute: none), a directory's from ``inputs`` as
+        ``state_inputs`` gave them (beyond itself) rather than from a new listing."""
+        return await self.durability.shown(row, inputs)
+
     # ================================================ names and attributes
     async def lookup(self, parent: int, name: bytes) -> InodeRow:
         return await self.names.lookup(parent, name)

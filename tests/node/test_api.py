@@ -25,7 +25,7 @@ from mounting import REPO, Mount, aiturbo, wait_state
 
 import aiturbofs
 from aiturbofs import _wait
-from aiturbofs._limits import CONTROL_CLIENTS_MAX, WAIT_SLICE_S
+from aiturbofs._limits import CONTROL_CLIENTS_MAX, WAIT_HELD_INOS, WAIT_SLICE_S
 from aiturbofs.vfs._state_waits import StateWaits
 
 MiB = 1 << 20
@@ -72,6 +72,11 @@ def held(s3_server, make_mount):
                 m.stop()  # drains through the proxy, which must still be there
         finally:
             h.proxy.close()
+
+
+def meta_calls(m) -> dict[str, int]:
+    """Transactions the daemon's metadata engine ran, by operation."""
+    return json.loads(aiturbo("status", m.mountpoint, "--json").stdout)["meta"]["calls"]
 
 
 def fuse_requests(m) -> int:
@@ -215,6 +220,47 @@ def test_wait_sleeps_on_the_daemon_instead_of_reading_the_xattr(held):
     held.release()
     waiter.join(DURABLE_WAIT_S)
     assert not waiter.is_alive()
+
+
+def test_a_wait_on_a_big_directory_lists_it_once_a_call_and_holds_few_files_a_call(held, monkeypatch):
+    """A waiting call names at most WAIT_HELD_INOS files (the daemon reads each at the call's start), and
+    the directory's symlinks and special files are listed once a call, not at every change of its state
+    (the persister changes it at each file it publishes there: n files cost n^2 before)."""
+    m = held.mount(datapath="kernel")
+    held.hold()
+    os.mkdir(m.path("d"))
+    files = 3 * WAIT_HELD_INOS
+    for i in range(files):
+        put(m.path("d", f"f{i:04d}"), os.urandom(1000 + i))
+    os.symlink("f0000", m.path("d", "link"))  # the directory has a state of its own: a target
+    calls: list[tuple[int, float]] = []
+    real_call = _wait._Daemon._call
+
+    def counted(self, inos, timeout_s):
+        calls.append((len(inos), timeout_s))
+        return real_call(self, inos, timeout_s)
+
+    monkeypatch.setattr(_wait._Daemon, "_call", counted)
+    walked = meta_calls(m)
+    _wait.targets_under([m.path("d")])  # what finding the files costs: the wait's walk lists d as well
+    before = meta_calls(m)
+    walk = before.get("readdir", 0) - walked.get("readdir", 0)
+    box: dict = {}
+    waiter = threading.Thread(target=lambda: box.update(result=_run(aiturbofs.wait, m.path("d"))), daemon=True)
+    waiter.start()
+    time.sleep(1.0)
+    held.release()
+    waiter.join(DURABLE_WAIT_S)
+    assert not waiter.is_alive() and box["result"] is None, box
+    done = meta_calls(m)
+    assert aiturbofs.states(m.path("d")) == dict.fromkeys([m.path("d"), *(m.path("d", f"f{i:04d}") for i in range(files))],
+                                                         aiturbofs.DURABLE)
+    listed = {k: done.get(k, 0) - before.get(k, 0) for k in ("readdir", "nodes_with_state")}
+    held_calls = [n for n, timeout_s in calls if timeout_s > 0]
+    assert held_calls and max(held_calls) <= WAIT_HELD_INOS, calls
+    # once a call (the state of the directory is read at most once a call), and no listing beyond that but
+    # the wait's own walk (and an import's look at the directory, after import_ttl)
+    assert listed["nodes_with_state"] <= len(calls) and listed["readdir"] <= 2 * walk + 2, (listed, walk, calls)
 
 
 def test_timeout_names_what_is_not_durable_yet(held):
