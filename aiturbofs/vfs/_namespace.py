@@ -132,6 +132,12 @@ class Namespace:
         if is_reg:
             node.content = FileContent(0)
             node.content.seq = 1  # a new file is dirty until its (empty) manifest commits
+            parent_node = self._inodes.get(parent)
+            if parent_node is not None and not self._cluster.shared:
+                # Its tags are its directory's, which the create copied: known here, not read back at its
+                # first commit (a listxattr per small file).  Not in a cluster: another node may have
+                # tagged the directory since this one read its tags.
+                node.tags = dict(await self._inodes.tags(parent_node))
         return node
 
     async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int, gid: int) -> InodeRow:

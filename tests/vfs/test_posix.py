@@ -953,6 +953,26 @@ def test_xattrs(make_mount, tmp_path):
     verify_persisted(make_mount, m, tmp_path)
 
 
+def test_a_file_takes_its_directorys_tags_as_they_are_when_it_is_made(make_mount):
+    """A new file's tags are its directory's at its create (the daemon keeps them from the directory's,
+    not read back per file): a file made before the directory was tagged is in no group, one made after is,
+    and one made after the tag was removed again is not."""
+    m = make_mount()
+    os.mkdir(m.path("d"))
+    write_file(m.path("d", "before.bin"), os.urandom(MiB))  # the directory's tags are read here: none
+    os.setxattr(m.path("d"), "user.aiturbo.group", b"j1")
+    write_file(m.path("d", "tagged.bin"), os.urandom(MiB + 1))
+    os.removexattr(m.path("d"), "user.aiturbo.group")
+    write_file(m.path("d", "after.bin"), os.urandom(MiB + 2))
+    groups = json.loads(aiturbo("status", m.mountpoint, "--json").stdout)["groups"]
+    assert set(groups) == {"j1"} and groups["j1"]["files"] == 1 and groups["j1"]["bytes"] == MiB + 1, groups
+    assert os.getxattr(m.path("d", "tagged.bin"), "user.aiturbo.group") == b"j1"
+    for name in ("before.bin", "after.bin"):
+        with pytest.raises(OSError) as caught:
+            os.getxattr(m.path("d", name), "user.aiturbo.group")
+        assert caught.value.errno == errno.ENODATA
+
+
 # --------------------------------------------------------------- ownership
 def _run_as(uid: int, gid: int, code: str, dir_fd: int) -> subprocess.CompletedProcess:
     """Run ``code`` as uid/gid; it finds the directory ``dir_fd`` as ``D``.
