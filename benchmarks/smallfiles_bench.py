@@ -117,7 +117,8 @@ def moto_ceiling(server: S3Server, n: int, size: int) -> float:
     return n / (time.monotonic() - t0)
 
 
-def one_run(name: str, roots: list[str], files: int, writers: int, size: int, tag: str, durable: bool) -> dict:
+def one_run(name: str, roots: list[str], files: int, writers: int, size: int, tag: str, durable: bool,
+            durable_by: str = "xattr") -> dict:
     per = max(1, files // writers)
     # minimal_fs has one flat directory: its writers put a prefix on the names instead
     sep = "-" if name == "minimal" else "/"
@@ -126,8 +127,14 @@ def one_run(name: str, roots: list[str], files: int, writers: int, size: int, ta
     total = per * writers
     r = {"config": name, "writers": writers, "files": total, "closed_s": last_close - release,
          "closed_per_s": total / (last_close - release)}
-    if durable:
+    if durable and durable_by == "wait":
+        # as a user waits: one call for every file
+        subprocess.run([sys.executable, "-m", "aiturbofs.cli.main", "wait", "--quiet", *dirs], check=True,
+                       timeout=DURABLE_TIMEOUT_S, env=dict(os.environ, PYTHONPATH=h.REPO))
+        done = time.time()
+    elif durable:
         done = wait_all_durable([f"{d}f{i:06d}" for d in dirs for i in range(per)])
+    if durable:
         r.update(durable_s=done - release, durable_per_s=total / (done - release))
     return r
 
@@ -141,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3, help="runs per config and writer count; medians (default 3)")
     p.add_argument("--configs", default=",".join(c for c in CONFIGS if c not in ("file-dram", "file-noyield")),
                    help=f"subset of {','.join(CONFIGS)} (default: all but file-dram and file-noyield)")
+    p.add_argument("--durable-by", choices=("xattr", "wait"), default="xattr",
+                   help="how durable is seen: each file's user.aiturbo.state polled in order (default), or one "
+                        "`aiturbo wait` of the writers' directories, as a user waits")
     a = p.parse_args(argv)
     size = a.size_kib * KiB
     writer_counts = [int(w) for w in a.writers.split(",")]
@@ -215,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                     n_writers = 3 if name == "pg" else writers
                     cpu0 = {pid: h.cpu_seconds(pid) for pid in pids.get(name, [])}
                     r = one_run(name, roots[name], a.files, n_writers, size, f"r{rep}w{writers}",
-                                durable=name in AITURBOFS_CONFIGS or name == "pg")
+                                durable=name in AITURBOFS_CONFIGS or name == "pg", durable_by=a.durable_by)
                     cpu = sum(h.cpu_seconds(pid) - c for pid, c in cpu0.items())
                     r.update(rep=rep, daemon_cpu_ms_per_file=1000 * cpu / r["files"] if cpu0 else None)
                     runs.append(r)
