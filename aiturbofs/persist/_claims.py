@@ -107,13 +107,11 @@ class KeyClaims:
                 return other
         return None
 
-    async def free_for(self, key: str, ino: int, *, below: bool = True, names: list[str] | None = None) -> bool:
-        """With ``ns_lock`` held: may ``ino`` write its object at ``key``?  (``below``: see holder)
-        ``names``: ``ino``'s paths as just read; ``key`` among them is its own name (no lookup)."""
-        if names is None or key not in names:
-            owner = await self.lookup_path(key)
-            if owner is not None and owner.ino != ino:
-                return False  # another file or a directory has that name now
+    async def free_for(self, key: str, ino: int, *, below: bool = True) -> bool:
+        """With ``ns_lock`` held: may ``ino`` write its object at ``key``?  (``below``: see holder)"""
+        owner = await self.lookup_path(key)
+        if owner is not None and owner.ino != ino:
+            return False  # another file or a directory has that name now
         return await self.holder(key, ino, below=below) is None
 
     async def held(self, keys: list[str], ino: int) -> bool:

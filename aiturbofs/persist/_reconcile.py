@@ -266,8 +266,7 @@ class Reconciler:
                 # The names may have changed while the data went out: publish
                 # only where no other file lives or still keeps its object; a
                 # target that is no longer ours is then moved like any rename.
-                names = await self.meta.paths_of(row.ino)
-                if not await self.claims.free_for(target, row.ino, names=names):
+                if not await self.claims.free_for(target, row.ino):
                     raise _Deferred
                 published: list[ObjectInfo] = []
                 await self.uploads.forget_sources(target)  # the object there is replaced
@@ -288,8 +287,8 @@ class Reconciler:
                         raise _Deferred
                 info = published[0]
                 done = [target]
-                for extra in names:
-                    if extra not in done and await self.claims.free_for(extra, row.ino, names=names):
+                for extra in await self.meta.paths_of(row.ino):
+                    if extra not in done and await self.claims.free_for(extra, row.ino):
                         named = [*now.backend_keys, *(k for k in done if k not in now.backend_keys)]
                         async with self.claims.key_lock(extra), self._naming_first(row.ino, named, extra):
                             if await self._place(functools.partial(self.backend.copy, attrs=node), extra, target, extra):
