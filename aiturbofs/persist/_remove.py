@@ -3,8 +3,8 @@
 What goes from the backend when names go from the namespace: the objects
 of an unlinked inode (``delete_all``; an unlinked file still open keeps
 them at hidden keys beside its old names until its last close), a stale
-object at a name an inode no longer has (``delete_key``: only if no live
-inode's path names it and no moved inode still holds it there), a
+object at a name an inode no longer has (``delete_key``: unless another
+live inode's own object is there now or a moved inode still holds it there), a
 directory's backend directory after a rename or rmdir (``remove_dir_key``,
 ``clean_dir``) and the emptied backend directories above them
 (``_prune_dirs``).  A file that must wait for another to move out of its
@@ -135,8 +135,11 @@ class Removals:
         """
         async with self.claims.key_lock(key):
             owner = await self.claims.owner_of(key)
-            if owner is not None and owner.state is not None and key in owner.backend_keys:
+            if owner is not None and owner.ino != ino and owner.state is not None and key in owner.backend_keys:
                 return  # the file that has this name now put its own object there
+            # ``ino`` itself at ``key`` again (renamed back while its job ran):
+            # the object there is an older version of its own, and the caller
+            # drops the key from the row, so kept it would be named by nothing.
             if await self.claims.holder(key, ino) is not None:
                 return  # another file's object, about to be moved from here (renamed again)
             # Otherwise the object is stale even if a file has the name now: that

@@ -723,6 +723,46 @@ async def test_a_chmod_landing_after_the_upload_read_the_attributes_is_pushed_af
     await meta.close()
 
 
+async def test_a_file_renamed_back_during_its_upload_leaves_no_object_its_row_does_not_name(tmp_path):
+    """``f`` (durable, v1) is renamed to ``g`` and rewritten; its upload publishes v2 at ``g``, and the
+    rename back to ``f`` lands as the job deletes its stale v1 object at ``f`` (renames do not wait for
+    ``ns_lock``).  The delete took the file itself for "the file that has this name now, which put its own
+    object there", kept v1 at ``f`` and dropped the key from the row: an object no row named.  An unlink
+    and a kill -9 later the import brought the removed file back with v1 (the torture suite's kill -9
+    case, seed 999583)."""
+    from aiturbofs.meta import ROOT_INO, STATE_STAGED
+
+    v1, v2 = b"1" * 1000, b"2" * 2000
+    p, meta, ino = await _attrs_persister(tmp_path, v1, durable=True)
+    await meta.rename(ROOT_INO, b"f", ROOT_INO, b"g")
+    row = await meta.set_attrs(ino, version=2, size=len(v2), state=STATE_STAGED)
+    real_open_upload = p.backend.open_upload
+    async def send(row, key):
+        upload = await real_open_upload(key)
+        await upload.write_part(0, v2)
+        return upload
+    p.uploads.send = send
+    removals = p.reconciler.removals
+    real_delete_key = removals.delete_key
+    async def delete_key(key, ino):
+        if key == "f":
+            await meta.rename(ROOT_INO, b"g", ROOT_INO, b"f")  # the race
+        await real_delete_key(key, ino)
+    removals.delete_key = delete_key
+    p.running.add(ino)
+    p.reconciler.job_started(ino)
+    assert await p.reconciler._upload_version(row, ["g"])
+    keys = (await meta.get_inode(ino)).backend_keys
+    assert sorted(os.listdir(tmp_path / "backend")) == sorted(keys) == ["g"]
+    assert (tmp_path / "backend" / "g").read_bytes() == v2
+    p.running.discard(ino)
+    p.reconciler.job_ended(ino, again=False)
+    await meta.unlink(ROOT_INO, b"f")  # then, before the job moves ``g`` to ``f``, the file goes
+    await p._persist_one(ino)
+    assert os.listdir(tmp_path / "backend") == []  # nothing for an import to bring back
+    await meta.close()
+
+
 async def test_an_object_is_published_only_where_its_file_records_it_first(tmp_path):
     """A kill -9 between an upload's publish and the durable record used to leave an object no row
     named: when the file had been unlinked meanwhile (a worker's unlink of an open file), the restart
