@@ -109,10 +109,14 @@ class KeyClaims:
 
     async def free_for(self, key: str, ino: int, *, below: bool = True) -> bool:
         """With ``ns_lock`` held: may ``ino`` write its object at ``key``?  (``below``: see holder)"""
+        return (await self.free_row(key, ino, below=below))[0]
+
+    async def free_row(self, key: str, ino: int, *, below: bool = True):
+        """``free_for``, and ``ino``'s row as read then if ``key`` is its name (else None)."""
         owner = await self.lookup_path(key)
         if owner is not None and owner.ino != ino:
-            return False  # another file or a directory has that name now
-        return await self.holder(key, ino, below=below) is None
+            return False, None  # another file or a directory has that name now
+        return await self.holder(key, ino, below=below) is None, owner
 
     async def held(self, keys: list[str], ino: int) -> bool:
         for key in keys:

@@ -37,13 +37,14 @@ import logging
 import stat
 import time
 from contextlib import asynccontextmanager
+from typing import NamedTuple
 
 import trio
 
 from .._errors import AiturboError, BackendError, IntegrityError, TransientBackendError
 from .._limits import PERSIST_BACKOFF_MAX_S
 from ..backend import NodeAttrs, ObjectInfo
-from ..meta import STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED
+from ..meta import STATE_BROKEN, STATE_DURABLE, STATE_PERSISTING, STATE_STAGED, InodeRow
 from ._claims import KeyClaims, parent_key
 from ._host import PersistHost, PersistStats, is_mine
 from ._remove import Removals
@@ -60,6 +61,16 @@ DEFER_RETRY_S = 0.1
 # in the way: a renamed directory not yet emptied, or one not yet removed.
 # That clears once the other files have moved, so the file waits (_defer).
 _CONFLICT_ERRNOS = frozenset({errno.EISDIR, errno.ENOTEMPTY, errno.ENOTDIR, errno.EEXIST})
+
+
+class Published(NamedTuple):
+    """What ``_upload_version`` saw right after it recorded the file durable: its row (read after the
+    record) and its names (read under ``ns_lock`` after the publish).  A change after those reads queues
+    the file again (a rename, link or unlink; a commit; a chmod, chown or utime of a durable file), so
+    where they show nothing left to do, the job is done without reading them again."""
+
+    row: InodeRow
+    paths: list[str]
 
 
 class _Deferred(Exception):
@@ -174,6 +185,8 @@ class Reconciler:
                 if not uploaded:
                     await self._defer(row, paths)
                     return
+                if isinstance(uploaded, Published) and self._done(uploaded.row, uploaded.paths):
+                    return
                 continue
             if sorted(row.backend_keys) != sorted(paths):
                 if not await self._relocate(row, paths):
@@ -184,6 +197,12 @@ class Reconciler:
                 await self._push_attrs(ino)
                 continue
             return
+
+    def _done(self, row, paths: list[str]) -> bool:
+        """Is there nothing left to do for a file with ``row`` at ``paths``?  (The loop's checks.)"""
+        return (row.ino not in self.claims.unsure and bool(paths) and row.state == STATE_DURABLE
+                and row.persisted_version == row.version and sorted(row.backend_keys) == sorted(paths)
+                and not self.attrs_pending(row))
 
     async def _publish_node(self, ino: int) -> bool:
         """A symlink, directory or special file: write its backend form at each
@@ -240,8 +259,9 @@ class Reconciler:
         await self.host.on_persisted(ino, await self.meta.get_inode(ino))
         return True
 
-    async def _upload_version(self, row, paths: list[str]) -> bool:
-        """Upload the committed version; False if another file must move first."""
+    async def _upload_version(self, row, paths: list[str]) -> bool | Published:
+        """Upload the committed version; False if another file must move first, ``Published`` once it
+        is durable (True: a newer version was committed meanwhile)."""
         started = time.monotonic()
         if row.state != STATE_PERSISTING:
             # Not synced: the durable state's sync covers it.  A power cut
@@ -266,13 +286,15 @@ class Reconciler:
                 # The names may have changed while the data went out: publish
                 # only where no other file lives or still keeps its object; a
                 # target that is no longer ours is then moved like any rename.
-                if not await self.claims.free_for(target, row.ino):
+                free, now = await self.claims.free_row(target, row.ino)
+                if not free:
                     raise _Deferred
                 published: list[ObjectInfo] = []
                 await self.uploads.forget_sources(target)  # the object there is replaced
                 # The attributes as they are now (a chmod while the data went
                 # out included); a later change is pushed by the next loop.
-                now = await self.meta.get_inode(row.ino)
+                if now is None:  # (read by free_row where the target is still its name)
+                    now = await self.meta.get_inode(row.ino)
                 attrs = now.attrs()
                 node = NodeAttrs(*attrs)
                 if target not in now.backend_keys:
@@ -287,7 +309,8 @@ class Reconciler:
                         raise _Deferred
                 info = published[0]
                 done = [target]
-                for extra in await self.meta.paths_of(row.ino):
+                names = await self.meta.paths_of(row.ino)
+                for extra in names:
                     if extra not in done and await self.claims.free_for(extra, row.ino):
                         named = [*now.backend_keys, *(k for k in done if k not in now.backend_keys)]
                         async with self.claims.key_lock(extra), self._naming_first(row.ino, named, extra):
@@ -327,7 +350,9 @@ class Reconciler:
             self._queue.file_got_through()
             log.info("persisted path=%s size=%d s=%.2f version=%d", paths[0], row.size, time.monotonic() - started,
                      row.version)
-            await self.host.on_persisted(row.ino, await self.meta.get_inode(row.ino))
+            now = await self.meta.get_inode(row.ino)
+            await self.host.on_persisted(row.ino, now)
+            return Published(now, names)
         return True
 
     @staticmethod

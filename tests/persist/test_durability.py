@@ -763,6 +763,27 @@ async def test_a_file_renamed_back_during_its_upload_leaves_no_object_its_row_do
     await meta.close()
 
 
+async def test_an_upload_job_reads_its_files_row_and_names_twice(tmp_path):
+    """Once before the upload, once after the publish (the names) and the durable record (the row): a
+    change after those reads queues the file again, so the job does not read them a third time to see
+    that nothing is left to do (that was a quarter of the job's metadata calls for a small file)."""
+    data = b"x" * 1000
+    p, meta, ino = await _attrs_persister(tmp_path, data, durable=False)
+    real_open_upload = p.backend.open_upload
+    async def send(row, key):
+        upload = await real_open_upload(key)
+        await upload.write_part(0, data)
+        return upload
+    p.uploads.send = send
+    before = meta.calls.copy()
+    await p._persist_one(ino)
+    calls = meta.calls - before
+    assert (calls["get_inode"], calls["paths_of"]) == (2, 2), calls
+    row = await meta.get_inode(ino)
+    assert row.state == "durable" and row.backend_keys == ["f"] and p.stats.files_durable == 1
+    await meta.close()
+
+
 async def test_an_object_is_published_only_where_its_file_records_it_first(tmp_path):
     """A kill -9 between an upload's publish and the durable record used to leave an object no row
     named: when the file had been unlinked meanwhile (a worker's unlink of an open file), the restart
