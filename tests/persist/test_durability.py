@@ -334,18 +334,28 @@ def test_backpressure_loses_nothing(spill, s3m, tmp_path, daemon_data_path):
     budget = 32 * MiB
     options = {"dram": "32M"}
     if spill:
-        options["spill"] = str(tmp_path / "spill")
+        # The backend is held back while the files are written: nothing becomes clean, so what does
+        # not fit must spill.  (Left running, it kept up with a writer slowed down by a loaded machine,
+        # and nothing spilled.)  No re-listing of the root meanwhile: it would wait for the server.
+        options.update(spill=str(tmp_path / "spill"), import_ttl=3600)
     m = s3m.mount(**options)
     rng = secrets.token_bytes
     files = {f"f{i}.bin": rng(12 * MiB + i) for i in range(4)}
     files["huge.bin"] = rng(3 * budget - sum(map(len, files.values())))  # larger than the budget
     assert len(files["huge.bin"]) > budget
+    assert os.listdir(m.mountpoint) == []  # (listed before the server is held back)
     watcher = PoolWatcher(m)
     t0 = time.monotonic()
-    for name, data in files.items():
-        with open(m.path(name), "wb") as f:
-            for off in range(0, len(data), MiB):
-                f.write(data[off: off + MiB])
+    if spill:
+        s3m.server.freeze()
+    try:
+        for name, data in files.items():
+            with open(m.path(name), "wb") as f:
+                for off in range(0, len(data), MiB):
+                    f.write(data[off: off + MiB])
+    finally:
+        if spill:
+            s3m.server.thaw()
     written_s = time.monotonic() - t0
     r = aiturbo("wait", m.mountpoint, check=False, timeout=WAIT_S)
     samples = watcher.stop()
