@@ -149,6 +149,7 @@ SEAL_QUEUE_MAX = 1024  # full chunks waiting for the background sealer
 META_BUSY_TIMEOUT_S = 30.0  # sqlite: wait this long for another daemon's write lock
 META_READDIR_ENTRIES_MAX = 4096  # entries one readdir call returns at most
 META_KEYS_PER_STATEMENT_MAX = 500  # keys in one IN (...) list: under sqlite's 999-parameter floor
+META_LOOKUP_PATH_JOINED_MAX = 16  # names lookup_path joins in one statement (sqlite joins <= 64 tables)
 LINKS_PER_INODE_MAX = 65000  # hard links to one file, like ext4 (EMLINK beyond)
 DIR_DEPTH_MAX = PATH_BYTES_MAX // 2  # a path of one-byte names: bounds walks to the root
 META_PG_CONNECTIONS = 4  # postgresql: connections (and worker threads) per store; 4x lookups at 0.5 ms RTT

@@ -37,7 +37,12 @@ Data a serializable transaction read is valid only once it has committed
 ``Exists``...) does not just roll back: its writes are undone to a savepoint
 taken before it, the transaction COMMITs, and only a successful commit lets
 the error through; a failed one runs the body again.  Read-only methods run
-``READ ONLY`` and commit the same way.
+``READ ONLY`` and commit the same way, except the reads of one statement
+(``ONE_STATEMENT_READS``: an inode, a name, an inode's paths, an xattr), which are sent
+alone: the server runs such a statement as a transaction of its own at
+the session's default isolation, set to SERIALIZABLE, in one round trip
+where BEGIN, the statement and COMMIT took three.  (A second statement
+that only tells which error to raise runs as another.)
 
 Connections: ``init`` connects once itself, so that a server that refuses
 (down, a wrong password, no such database) fails it at once with the
@@ -93,7 +98,7 @@ from .._limits import (
     META_PG_STATEMENT_TIMEOUT_S,
     META_PG_TX_ATTEMPTS_MAX,
 )
-from ._sql import SqlMetaStore, Tx
+from ._sql import ONE_STATEMENT_READS, SqlMetaStore, Tx
 
 # The pool logs every checkout and return at INFO; a daemon's log wants only
 # its warnings (a connect that failed, a connection it discarded).
@@ -217,6 +222,9 @@ class PostgresMetaStore(SqlMetaStore):
         try:
             timeout_ms = int(META_PG_STATEMENT_TIMEOUT_S * 1000)
             conn.execute(f"SET statement_timeout = {timeout_ms}", prepare=False)
+            # What a statement sent without BEGIN runs at (``ONE_STATEMENT_READS``); every other
+            # transaction names its isolation in its BEGIN.
+            conn.execute("SET default_transaction_isolation = 'serializable'", prepare=False)
         except psycopg.Error as exc:
             conn.close()  # the pool would not: it only retries
             raise err.AiturboError(f"metadata database {self._where}: {exc}") from exc
@@ -255,7 +263,10 @@ class PostgresMetaStore(SqlMetaStore):
         # init runs at READ COMMITTED: after its advisory lock, its statements
         # must see what a daemon that held the lock before committed.
         isolation = "READ COMMITTED" if body == self._tx_init else "SERIALIZABLE"
-        begin = _begin(isolation, write)
+        # A one-statement read is sent alone: the server runs it as a transaction of its own at the
+        # session's isolation (SERIALIZABLE, ``_configure``), as BEGIN ... COMMIT around it would, in one
+        # round trip instead of three.  Its result is returned only once that transaction committed.
+        begin = None if not write and not dirs and body in ONE_STATEMENT_READS else _begin(isolation, write)
         keys = sorted(set(dirs))  # one order for every daemon: two renames never deadlock
         try:
             for attempt in self._conflict_retries:
@@ -270,7 +281,9 @@ class PostgresMetaStore(SqlMetaStore):
             ) from exc
         raise AssertionError("unreachable")
 
-    def _run_once(self, body: Callable[..., Any], args: tuple, begin: str, write: bool, dirs: list[int]) -> Any:
+    def _run_once(
+        self, body: Callable[..., Any], args: tuple, begin: str | None, write: bool, dirs: list[int]
+    ) -> Any:
         """``_attempt`` on a connection of the pool: a conflict is raised as it is, for
         the caller to run the body again; other database errors as ``_errors`` classes."""
         with self._connection() as conn:
@@ -289,11 +302,13 @@ class PostgresMetaStore(SqlMetaStore):
         conn: psycopg.Connection,
         body: Callable[..., Any],
         args: tuple,
-        begin: str,
+        begin: str | None,
         write: bool,
         dirs: list[int],
     ) -> Any:
         """One run of ``body`` in a transaction begun with ``begin``.
+
+        ``begin`` None: a read of ``ONE_STATEMENT_READS``, whose statement is its own transaction.
 
         With ``dirs``, the session first takes an advisory lock per directory
         and keeps it to the end of the transaction: the writers of one
@@ -302,6 +317,9 @@ class PostgresMetaStore(SqlMetaStore):
         instead of all but one aborting on the directory's row.  Correctness
         still rests on SERIALIZABLE, which also covers writers without locks.
         """
+        if begin is None:
+            with conn.cursor() as cursor:
+                return body(Tx(cursor, _to_pyformat), *args)
         locked = bool(dirs)
         try:
             if dirs:

@@ -73,7 +73,7 @@ from typing import Any
 import trio
 
 from .. import _errors as err
-from .._limits import HASH_BYTES, XATTR_NAME_BYTES_MAX, XATTR_VALUE_BYTES_MAX
+from .._limits import HASH_BYTES, META_LOOKUP_PATH_JOINED_MAX, XATTR_NAME_BYTES_MAX, XATTR_VALUE_BYTES_MAX
 from . import _sql_cluster, _sql_inodes, _sql_namespace, _sql_tx
 from ._base import (
     INHERIT_XATTR_PREFIX,
@@ -94,6 +94,15 @@ SCHEMA_VERSION = 4
 # The inode columns v2 added: in CREATE TABLE, and in ALTER TABLE for a v1 database.
 _INODE_COLUMNS_V2 = ("owner TEXT", "holders TEXT NOT NULL DEFAULT '[]'")
 _INODE_COLUMN_V4 = "persisted_attrs TEXT"
+
+
+# Read bodies that read with one statement (a second one only to tell which error to raise): an engine
+# may run them as a statement of their own, its own transaction, without BEGIN and COMMIT around it.
+ONE_STATEMENT_READS = frozenset({
+    _sql_tx.get_inode, _sql_namespace.lookup, _sql_namespace.lookup_path, _sql_namespace.paths_of,
+    _sql_namespace.move_of,
+    _sql_inodes.getxattr, _sql_inodes.listxattr,
+})
 
 
 class SqlMetaStore(MetaStore):
@@ -281,7 +290,9 @@ class SqlMetaStore(MetaStore):
         return await self._run(_sql_namespace.lookup, parent, name, write=False, quick=True)
 
     async def lookup_path(self, path: str) -> InodeRow | None:
-        return await self._run(_sql_namespace.lookup_path, path, write=False, quick=True)
+        joined = path.count("/") < META_LOOKUP_PATH_JOINED_MAX
+        body = _sql_namespace.lookup_path if joined else _sql_namespace.lookup_path_walk
+        return await self._run(body, path, write=False, quick=True)
 
     async def readdir(self, parent: int, offset: int, limit: int) -> list[tuple[bytes, InodeRow, int]]:
         return await self._run(_sql_namespace.readdir, parent, offset, limit, self.READDIR_FROM, write=False, quick=True)

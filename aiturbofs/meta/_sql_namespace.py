@@ -17,6 +17,7 @@ from .. import _errors as err
 from .._limits import (
     DIR_DEPTH_MAX,
     LINKS_PER_INODE_MAX,
+    META_LOOKUP_PATH_JOINED_MAX,
     META_READDIR_ENTRIES_MAX,
     SYMLINK_TARGET_BYTES_MAX,
 )
@@ -131,6 +132,24 @@ def lookup(tx: Tx, parent: int, name: bytes) -> InodeRow:
 
 
 def lookup_path(tx: Tx, path: str) -> InodeRow | None:
+    """The row at ``path`` (names from the root, ``/``-separated), in one statement: a join of the
+    path's entries, each in the directory the one before it names."""
+    names = [os.fsencode(name) for name in path.split("/")]
+    if len(names) > META_LOOKUP_PATH_JOINED_MAX:
+        return lookup_path_walk(tx, path)
+    last = len(names) - 1
+    joins = "".join(f" JOIN dentries d{k} ON d{k}.parent = d{k - 1}.ino AND d{k}.name = ?" for k in range(1, last + 1))
+    found = tx.one(
+        f"SELECT {ICOLS} FROM dentries d0{joins} JOIN inodes i ON i.ino = d{last}.ino WHERE d0.parent = ? AND d0.name = ?",
+        *names[1:],
+        ROOT_INO,
+        names[0],
+    )
+    return None if found is None else to_row(found)
+
+
+def lookup_path_walk(tx: Tx, path: str) -> InodeRow | None:
+    """``lookup_path`` a name at a time (one statement per name)."""
     row = None
     parent = ROOT_INO
     for name in path.split("/"):
@@ -185,39 +204,31 @@ def parent_of(tx: Tx, ino: int) -> int:
 
 
 def paths_of(tx: Tx, ino: int) -> list[str]:
+    """Every name of ``ino`` from the root, in link order, in one statement: each link and the
+    entries of the directories above it (a directory has one), walked up to the root."""
     if ino == ROOT_INO:
         return [""]
-    links = tx.all("SELECT parent, name FROM dentries WHERE ino = ? ORDER BY id", ino)
-    known: dict[int, list[bytes] | None] = {ROOT_INO: []}
+    found = tx.all(
+        "WITH RECURSIVE up(link, depth, parent, name) AS ("
+        " SELECT id, 0, parent, name FROM dentries WHERE ino = ?"
+        " UNION ALL SELECT up.link, up.depth + 1, d.parent, d.name FROM up JOIN dentries d ON d.ino = up.parent"
+        " WHERE up.depth < ?)"
+        " SELECT link, depth, parent, name FROM up ORDER BY link, depth",
+        ino,
+        DIR_DEPTH_MAX,
+    )
     paths = []
-    for parent, name in links:
-        above = _dir_names(tx, parent, known)
-        if above is not None:
-            paths.append("/".join(os.fsdecode(n) for n in [*above, bytes(name)]))
+    names: list[bytes] = []
+    for i, (_, depth, parent, name) in enumerate(found):
+        names.append(bytes(name))
+        if i + 1 < len(found) and found[i + 1][1] > depth:
+            continue  # the directory above has an entry of its own
+        if depth >= DIR_DEPTH_MAX:
+            raise AssertionError(f"directory chain above inode {ino} is a loop")
+        if parent == ROOT_INO:  # else the link hangs below no root
+            paths.append("/".join(os.fsdecode(n) for n in reversed(names)))
+        names = []
     return paths
-
-
-def _dir_names(tx: Tx, ino: int, known: dict[int, list[bytes] | None]) -> list[bytes] | None:
-    """The names from the root down to directory ``ino`` (memoised in
-    ``known``); ``None`` if it hangs below no root."""
-    chain = []  # (dir, its name), walking up
-    current = ino
-    for _ in range(DIR_DEPTH_MAX):
-        if current in known:
-            break
-        up = _parent_of_dir(tx, current)
-        if up is None:
-            known[current] = None
-            break
-        chain.append((current, up[1]))
-        current = up[0]
-    else:
-        raise AssertionError(f"directory chain above inode {ino} is a loop")
-    names = known[current]
-    for directory, name in reversed(chain):
-        names = None if names is None else [*names, name]
-        known[directory] = names
-    return known[ino]
 
 
 # --- changes ---------------------------------------------------------------------------

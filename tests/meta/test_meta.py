@@ -20,6 +20,7 @@ from pgserver import PgServer
 from aiturbofs import _errors as err
 from aiturbofs._limits import (
     META_KEYS_PER_STATEMENT_MAX,
+    META_LOOKUP_PATH_JOINED_MAX,
     META_PG_CONNECTIONS,
     NAME_BYTES_MAX,
     SYMLINK_TARGET_BYTES_MAX,
@@ -349,9 +350,22 @@ class MetaConformance:
         # missing names, a name below a file, the root's empty path: no row
         for missing in ["b", "a/x", d_path + "/f/x", "g/x", "", "a/"]:
             assert await store.lookup_path(missing) is None, missing
+        name = os.fsdecode(b"caf\xc3\xa9 \xff")
+        assert await store.paths_of(f.ino) == [f"a/{name}/f", "g"]  # in the order linked
         await store.rename(ROOT_INO, b"a", ROOT_INO, b"b")
         assert await store.lookup_path("a") is None
         assert (await store.lookup_path((await store.paths_of(f.ino))[0])).ino == f.ino
+        deep = await store.create(d.ino, b"deep", dir_row())
+        await store.link(f.ino, deep.ino, b"h")
+        assert await store.paths_of(f.ino) == [f"b/{name}/f", "g", f"b/{name}/deep/h"]
+        assert await store.paths_of(deep.ino) == [f"b/{name}/deep"]
+        assert (await store.lookup_path(f"b/{name}/deep/h")).ino == f.ino
+        parent, path = ROOT_INO, []  # deeper than one statement joins: walked a name at a time
+        for depth in range(META_LOOKUP_PATH_JOINED_MAX + 2):
+            parent = (await store.create(parent, b"d%d" % depth, dir_row())).ino
+            path.append(f"d{depth}")
+            assert (await store.lookup_path("/".join(path))).ino == parent
+            assert await store.lookup_path("/".join([*path[:-1], "x"])) is None
 
     # --- readdir -------------------------------------------------------------------------
 
@@ -1143,6 +1157,23 @@ class TestPostgres(MetaConformance):
 
     async def test_inode_numbers_start_after_root(self, store):
         assert (await store.create(ROOT_INO, b"first", file_row())).ino == ROOT_INO + 1
+
+    async def test_a_one_statement_read_is_sent_alone_and_is_a_serializable_transaction(self, store, monkeypatch):
+        """An inode, a name or an xattr read takes one round trip where BEGIN, the statement and COMMIT took
+        three; the server still runs it at SERIALIZABLE, as its own transaction."""
+        from aiturbofs.meta import _postgres
+
+        def probe(tx):  # a transaction begun by BEGIN started before its first statement
+            return tuple(tx.one("SELECT current_setting('transaction_isolation'), now() = statement_timestamp()"))
+
+        assert await store._run(probe, write=False) == ("serializable", False)
+        monkeypatch.setattr(_postgres, "ONE_STATEMENT_READS", _postgres.ONE_STATEMENT_READS | {probe})
+        assert await store._run(probe, write=False) == ("serializable", True)
+        assert await store._run(probe, write=True) == ("serializable", False)  # a write never goes alone
+        f = await store.create(ROOT_INO, b"f", file_row())
+        assert (await store.get_inode(f.ino)).ino == (await store.lookup(ROOT_INO, b"f")).ino == f.ino
+        with pytest.raises(err.NotFound):
+            await store.lookup(ROOT_INO, b"none")
 
     async def test_connection_loss_is_transient(self, store, meta_url):
         import psycopg
