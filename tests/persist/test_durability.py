@@ -692,6 +692,17 @@ async def _attrs_persister(tmp_path, data: bytes, *, durable: bool):
     return Persister(host), meta, row.ino
 
 
+def send_in_one_part(p, data: bytes) -> None:
+    """The persister's uploads send ``data`` (the test's file content) in one part."""
+    real_open_upload = p.backend.open_upload
+
+    async def send(row, key):
+        upload = await real_open_upload(key)
+        await upload.write_part(0, data)
+        return upload
+    p.uploads.send = send
+
+
 async def test_a_chmod_of_a_durable_file_that_cannot_reach_the_backend_leaves_it_durable(tmp_path):
     """Only its attributes are missing there: never ``broken`` (reads would get EIO)."""
     p, meta, ino = await _attrs_persister(tmp_path, b"data", durable=True)
@@ -746,12 +757,7 @@ async def test_a_file_renamed_back_during_its_upload_leaves_no_object_its_row_do
     p, meta, ino = await _attrs_persister(tmp_path, v1, durable=True)
     await meta.rename(ROOT_INO, b"f", ROOT_INO, b"g")
     row = await meta.set_attrs(ino, version=2, size=len(v2), state=STATE_STAGED)
-    real_open_upload = p.backend.open_upload
-    async def send(row, key):
-        upload = await real_open_upload(key)
-        await upload.write_part(0, v2)
-        return upload
-    p.uploads.send = send
+    send_in_one_part(p, v2)
     removals = p.reconciler.removals
     real_delete_key = removals.delete_key
     async def delete_key(key, ino):
@@ -779,12 +785,7 @@ async def test_an_upload_job_reads_its_files_row_and_names_twice(tmp_path):
     that nothing is left to do (that was a quarter of the job's metadata calls for a small file)."""
     data = b"x" * 1000
     p, meta, ino = await _attrs_persister(tmp_path, data, durable=False)
-    real_open_upload = p.backend.open_upload
-    async def send(row, key):
-        upload = await real_open_upload(key)
-        await upload.write_part(0, data)
-        return upload
-    p.uploads.send = send
+    send_in_one_part(p, data)
     before = meta.calls.copy()
     await p._persist_one(ino)
     calls = meta.calls - before
