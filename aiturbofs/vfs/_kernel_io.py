@@ -163,11 +163,11 @@ async def open_kernel(fs: KernelHost, handle: Handle) -> int | None:
         # A version not yet durable keeps its bytes: the kernel is about to write over them in place.
         backing.kernel_opens += 1  # (counted first: no open through requests slips in meanwhile)
         try:
-            for rng in backing.ranges():
-                e = rng.entry
-                if e is not None and e.pins and not e.spilled:
-                    charge, _, _ = await fs.pool.take_range(rng)
-                    fs.pool.unreserve(charge)
+            # Until a pass finds nothing to move: while a move waits (for memory, a spill), another
+            # file may seal a chunk this file holds where the pass went by, and let its own copy go.
+            # No await comes between the last pass and ``unsteady`` below.
+            while await _move_pinned_out(fs, backing):
+                pass
         finally:
             backing.kernel_opens -= 1
     backing.kernel_opens += 1
@@ -181,6 +181,19 @@ async def open_kernel(fs: KernelHost, handle: Handle) -> int | None:
     handle.kernel = True
     content.absorbed = _stamp(os.fstat(backing.fd()))
     return fd
+
+
+async def _move_pinned_out(fs: KernelHost, backing: BackingFile) -> bool:
+    """Move the chunks other versions still count on (pinned, not spilled) out of ``backing``'s ranges;
+    whether there were any (the moves wait: look again)."""
+    moved = False
+    for rng in backing.ranges():
+        e = rng.entry
+        if e is not None and e.pins and not e.spilled:
+            charge, _, _ = await fs.pool.take_range(rng)
+            fs.pool.unreserve(charge)
+            moved = True
+    return moved
 
 
 def _disk_has_room(fs: KernelHost) -> bool:

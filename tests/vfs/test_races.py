@@ -287,3 +287,52 @@ async def test_a_release_while_another_writer_has_the_file_open_commits_none_of_
         reader, _ = await fs.open(ino, os.O_RDONLY)
         assert bytes(await fs.read(reader.fh, 0, 3 * MiB)) == b"two" + data[3:] + b"tail"
         await fs.release(reader.fh)
+
+
+async def test_a_chunk_another_file_seals_while_a_passthrough_writer_opens_keeps_a_copy(tmp_path):
+    """A writable passthrough open of ``a`` moves the chunks other versions still need out of a's backing
+    file first (``take_range``), then lets the kernel write there.  While that move waited (for memory,
+    or a spill), ``b`` sealed a chunk a's backing file already held where the move had passed: b's range
+    was let go and a's became b's only copy, which the kernel then wrote over.  b's reads of its own
+    chunk, not yet durable, failed their BLAKE3 check against b's backend object (EIO; the torture
+    suite's kill -9 case, seed 857093, whose four workers share template chunks)."""
+    shared, tail, rewritten = os.urandom(CHUNK), os.urandom(4096), os.urandom(4096)
+    async with filesystem(tmp_path) as fs:
+        a = await durable_file(fs, b"a", shared + tail)  # version 1 durable: its chunk 0 pins nothing
+        held = []
+        fs.persister.enqueue = lambda ino, **kw: held.append(ino)  # nothing below becomes durable
+        writer, _ = await fs.open(a, os.O_WRONLY)
+        await fs.write(writer.fh, CHUNK, rewritten)  # version 2: chunk 1 pinned (not durable), chunk 0 not
+        await fs.flush(writer.fh)
+        await fs.release(writer.fh)
+        moving, go = trio.Event(), trio.Event()
+        real_take_range = fs.pool.take_range
+
+        async def take_range(rng):  # the move of a's chunk 1 waits (only that one)
+            if not moving.is_set():
+                moving.set()
+                await go.wait()
+            return await real_take_range(rng)
+
+        fs.pool.take_range = take_range
+        opener, _ = await fs.open(a, os.O_RDWR)
+        async with trio.open_nursery() as nursery:
+            result = {}
+
+            async def open_kernel():
+                result["fd"] = await fs.open_kernel(opener)
+
+            nursery.start_soon(open_kernel)
+            await moving.wait()
+            b_handle, _ = await fs.create(ROOT_INO, b"b", 0o644, os.O_RDWR, UID, GID)
+            await fs.write(b_handle.fh, 0, shared)
+            await fs.flush(b_handle.fh)  # b's version seals the chunk a's backing file holds
+            go.set()
+        fs.pool.take_range = real_take_range
+        fd = result["fd"]
+        assert fd is not None
+        os.pwrite(fd, os.urandom(CHUNK), 0)  # the kernel writes a's chunk 0 in place
+        assert bytes(await fs.read(b_handle.fh, 0, CHUNK)) == shared
+        await fs.close_kernel(opener)
+        await fs.release(opener.fh)
+        await fs.release(b_handle.fh)
