@@ -17,7 +17,6 @@ from .. import _errors as err
 from .._limits import (
     DIR_DEPTH_MAX,
     LINKS_PER_INODE_MAX,
-    META_LOOKUP_PATH_JOINED_MAX,
     META_READDIR_ENTRIES_MAX,
     SYMLINK_TARGET_BYTES_MAX,
 )
@@ -133,10 +132,9 @@ def lookup(tx: Tx, parent: int, name: bytes) -> InodeRow:
 
 def lookup_path(tx: Tx, path: str) -> InodeRow | None:
     """The row at ``path`` (names from the root, ``/``-separated), in one statement: a join of the
-    path's entries, each in the directory the one before it names."""
+    path's entries, each in the directory the one before it names.  At most
+    ``META_LOOKUP_PATH_JOINED_MAX`` names: ``SqlMetaStore.lookup_path`` walks a deeper one (``lookup_path_walk``)."""
     names = [os.fsencode(name) for name in path.split("/")]
-    if len(names) > META_LOOKUP_PATH_JOINED_MAX:
-        return lookup_path_walk(tx, path)
     last = len(names) - 1
     joins = "".join(f" JOIN dentries d{k} ON d{k}.parent = d{k - 1}.ino AND d{k}.name = ?" for k in range(1, last + 1))
     found = tx.one(
